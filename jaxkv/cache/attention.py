@@ -1,0 +1,91 @@
+"""Attention of a chunk of queries over a `KVCache` layer plus the chunk itself.
+
+The cache is read as segments (sinks, window or KIVI residual, KIVI quantised ring, the
+chunk's own keys). Each segment's scores are computed separately and one softmax runs
+over all of them, so the cache is never concatenated (no per-step copy of it). Masks
+come from per-slot absolute positions (DESIGN §2), so every query of a chunk attends to
+exactly its own retained set and chunked prefill equals token-by-token decode.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.cache.kv import ReadView, dequantized
+from jaxkv.cache.ring import visible
+from jaxkv.cache.rope import apply_rope
+from jaxkv.cache.spec import CacheSpec
+
+
+def attend(spec: CacheSpec, view: ReadView, layer: dict, q, k, v, *, theta: float):
+    """Grouped-query attention of a chunk over one layer of the cache and itself.
+
+    Args:
+      spec: the cache's spec (static).
+      view: :meth:`KVCache.read_view` of the chunk's positions (shared by all layers).
+      layer: one layer of :meth:`KVCache.layer_leaves` (the L axis removed).
+      q: ``[B, T, N, H]`` queries before RoPE. k, v: ``[B, T, K, H]`` the chunk's keys
+        (before RoPE) and values; ``N % K == 0``.
+      theta: RoPE base.
+    Returns:
+      ``(out[B, T, N, H], k_store[B, K, T, H], v_store[B, K, T, H])``: the attention
+      output in ``q.dtype``, and the chunk's keys/values as the cache stores them (keys
+      after RoPE in ``absolute`` mode, before RoPE in ``cache`` mode).
+    """
+    b, t, n_heads, h = q.shape
+    n_kv = k.shape[2]
+    dtype = q.dtype
+    k = jnp.swapaxes(k, 1, 2)  # [B, K, T, H]
+    v = jnp.swapaxes(v, 1, 2)
+    cache_mode = spec.positions == "cache"
+    shift = view.k_shift[:, None, None]
+
+    def rotate_keys(keys, pos):  # keys [B, K, S, H], pos int32[B, S]
+        return apply_rope(keys, (pos[:, None, :] - shift), theta=theta) if cache_mode else keys
+
+    k_store = k if cache_mode else apply_rope(k, view.q_pos[:, None, :], theta=theta)
+
+    # segments: (keys [B,K,S,H], values, positions [B,S], is_sink)
+    segments = []
+    if view.sink_pos is not None:
+        sk = layer["sink_k"].astype(dtype)
+        if cache_mode:  # a sink's rank is its position
+            sk = apply_rope(sk, view.sink_pos[:, None, :], theta=theta)
+        segments.append((sk, layer["sink_v"], view.sink_pos, True))
+    if view.quant_pos is not None:
+        qk, qv = dequantized(spec, layer, dtype)
+        segments.append((rotate_keys(qk, view.quant_pos), qv, view.quant_pos, False))
+    segments.append((rotate_keys(layer["ring_k"].astype(dtype), view.ring_pos), layer["ring_v"], view.ring_pos, False))
+    segments.append((rotate_keys(k_store, view.q_pos), v, view.q_pos, False))
+
+    group = n_heads // n_kv
+    qg = q.reshape(b, t, n_kv, group, h)
+    q_main = apply_rope(qg, view.q_rot[:, :, None, None], theta=theta)
+    q_sink = apply_rope(qg, view.q_rot_sink[:, :, None, None], theta=theta) if cache_mode else q_main
+    scale = 1.0 / jnp.sqrt(jnp.float32(h))
+
+    scores = []
+    for keys, _, pos, is_sink in segments:
+        qq = q_sink if is_sink else q_main
+        s = jnp.einsum("btkgh,bksh->bkgts", qq, keys.astype(dtype), preferred_element_type=jnp.float32) * scale
+        mask = visible(spec, view.q_pos[:, :, None], pos[:, None, :])  # [B, T, S]
+        scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
+    s = jnp.concatenate(scores, axis=-1)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # padding queries see nothing: avoid inf - inf
+    p = jnp.exp(s - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+
+    out = jnp.zeros((b, n_kv, group, t, h), jnp.float32)
+    offset = 0
+    for keys, values, _, _ in segments:
+        size = keys.shape[2]
+        out += jnp.einsum(
+            "bkgts,bksh->bkgth", p[..., offset : offset + size].astype(dtype), values.astype(dtype),
+            preferred_element_type=jnp.float32,
+        )
+        offset += size
+    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n_heads, h).astype(dtype)
+    return out, k_store, v

@@ -1,0 +1,155 @@
+"""`CacheSpec`: what a KV cache keeps (sinks, window, residual) and how it stores it.
+
+Sources: StreamingLLM (Xiao et al. 2023, arXiv 2309.17453, §3.2) for ``sink``/``window``
+and the two RoPE position modes; KIVI (Liu et al. 2024, arXiv 2402.02750, §3-4) for
+``kv_quantize``/``group_size``/``residual``. The normative semantics are in DESIGN §2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxkv.errors import JaxkvError
+
+FLOAT_MODES = ("fp32", "fp16", "bf16")
+QUANT_MODES = ("int8", "int4", "int2")
+KV_MODES = FLOAT_MODES + QUANT_MODES
+POSITION_MODES = ("absolute", "cache")
+SCALE_DTYPES = ("float16", "float32")
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise JaxkvError(f"CacheSpec.{name}={value!r}: expected an integer >= {minimum}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheSpec:
+    """Static description of a KV cache; hashable, so it can be a ``jax.jit`` static argument.
+
+    A *full* cache (``window=None``) holds every token up to ``max_len`` slots and refuses
+    to overflow. A *StreamingLLM* cache (``window=W``) keeps the first ``sink`` tokens and
+    the last ``W`` tokens; its size stops growing at ``sink + W`` slots. With
+    ``kv_quantize`` in ``int8|int4|int2`` (KIVI), window tokens first land in a
+    full-precision residual of up to ``residual`` tokens, then move, ``group_size`` at a
+    time, into bit-packed codes; sinks stay in full precision.
+
+    Attributes:
+      max_len: slots of a full cache, tokens (required when ``window`` is None, ignored otherwise).
+      sink: S0, first tokens always kept (attention sinks, StreamingLLM §3).
+      window: W, most recent tokens kept (for KIVI: most recent *flushed* tokens); None = full cache.
+      kv_quantize: storage precision, one of fp32, fp16, bf16, int8, int4, int2.
+      group_size: G, tokens per per-channel key quantisation group (KIVI §3.2).
+      residual: R, full-precision recent tokens before quantisation (KIVI §4), a multiple of G.
+      positions: ``absolute`` (keys keep RoPE of their original position) or ``cache``
+        (keys stored before RoPE and rotated on read at their rank in the cache, StreamingLLM §3.2).
+      scale_dtype: storage dtype of KIVI scales and zeros (arithmetic is always float32).
+
+    Raises:
+      JaxkvError: on any value outside the accepted ranges (the message names it).
+    """
+
+    max_len: int | None = None
+    sink: int = 0
+    window: int | None = None
+    kv_quantize: str = "fp32"
+    group_size: int = 32
+    residual: int = 128
+    positions: str = "absolute"
+    scale_dtype: str = "float16"
+
+    def __post_init__(self):
+        _check_int("sink", self.sink, 0)
+        if self.window is None:
+            if self.max_len is None:
+                raise JaxkvError("CacheSpec: a full cache (window=None) needs max_len, the number of slots")
+            _check_int("max_len", self.max_len, 1)
+            if self.sink:
+                raise JaxkvError(f"CacheSpec.sink={self.sink} needs a window: pass window=W for a StreamingLLM cache")
+        else:
+            _check_int("window", self.window, 1)
+        if self.kv_quantize not in KV_MODES:
+            raise JaxkvError(f"CacheSpec.kv_quantize={self.kv_quantize!r}: expected one of {', '.join(KV_MODES)}")
+        if self.positions not in POSITION_MODES:
+            raise JaxkvError(f"CacheSpec.positions={self.positions!r}: expected 'absolute' or 'cache'")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise JaxkvError(f"CacheSpec.scale_dtype={self.scale_dtype!r}: expected one of {', '.join(SCALE_DTYPES)}")
+        if self.quantized:
+            _check_int("group_size", self.group_size, 1)
+            _check_int("residual", self.residual, 1)
+            if self.residual % self.group_size:
+                raise JaxkvError(
+                    f"CacheSpec.residual={self.residual} is not a multiple of group_size={self.group_size}"
+                )
+            if self.window is not None:
+                if self.window % self.group_size:
+                    raise JaxkvError(
+                        f"CacheSpec.window={self.window} is not a multiple of group_size={self.group_size}: "
+                        "the quantised window evicts whole groups"
+                    )
+                if self.residual > self.window:
+                    raise JaxkvError(
+                        f"CacheSpec.residual={self.residual} is larger than window={self.window}: "
+                        "a flush of the residual must fit in the window"
+                    )
+
+    # ---- derived sizes (all static Python ints) -------------------------------------------
+    @property
+    def quantized(self) -> bool:
+        """True for KIVI modes (int8, int4, int2)."""
+        return self.kv_quantize in QUANT_MODES
+
+    @property
+    def bits(self) -> int:
+        """Bits per stored code (KIVI modes only)."""
+        return {"int8": 8, "int4": 4, "int2": 2}[self.kv_quantize]
+
+    @property
+    def bounded(self) -> bool:
+        """True for a StreamingLLM cache (one with a window)."""
+        return self.window is not None
+
+    @property
+    def n_sink(self) -> int:
+        """Full-precision sink slots."""
+        return self.sink
+
+    @property
+    def n_ring(self) -> int:
+        """Full-precision ring slots after the sinks: the window (fp modes) or the residual (KIVI)."""
+        if self.quantized:
+            return self.residual
+        return self.window if self.bounded else self.max_len
+
+    @property
+    def n_quant(self) -> int:
+        """Token slots of the quantised ring (0 for fp modes); a multiple of group_size."""
+        if not self.quantized:
+            return 0
+        if self.bounded:
+            return self.window
+        return self.group_size * math.ceil(self.max_len / self.group_size)
+
+    @property
+    def capacity(self) -> int:
+        """C: token slots allocated per row and layer (sinks + ring + quantised ring)."""
+        return self.n_sink + self.n_ring + self.n_quant
+
+    @property
+    def token_limit(self) -> int | None:
+        """Most tokens a row may append (full caches), None when unbounded (StreamingLLM)."""
+        return None if self.bounded else self.max_len
+
+    @property
+    def max_chunk(self) -> int:
+        """Most tokens one row may append in one call (a chunk never crosses the ring or a flush)."""
+        return self.n_ring
+
+    def describe(self) -> str:
+        """One-line human description, e.g. ``sink 4 + window 252, int4 (G=32, R=128), absolute``."""
+        shape = f"sink {self.sink} + window {self.window}" if self.bounded else f"full {self.max_len}"
+        quant = self.kv_quantize
+        if self.quantized:
+            quant += f" (G={self.group_size}, R={self.residual})"
+        return f"{shape}, {quant}, positions={self.positions}"
