@@ -1,0 +1,39 @@
+"""jaxkv: long-context LLM decoding in JAX with a KV cache bounded in length (StreamingLLM)
+and compressed in precision (KIVI).
+
+Public API::
+
+    import jaxkv
+    model = jaxkv.load_model("stories260K.bin", tokenizer="tok512.model")
+    out = jaxkv.sample(model, "Once upon a time", max_new_tokens=200,
+                       cache=jaxkv.CacheSpec(sink=4, window=252, kv_quantize="int4", group_size=4, residual=28))
+    print(out.text, out.report())
+"""
+
+from jaxkv.cache.kv import KVCache
+from jaxkv.cache.memory import MemoryReport, memory_report
+from jaxkv.cache.spec import CacheSpec
+from jaxkv.errors import CacheFullError, JaxkvError, ModelFileError
+from jaxkv.models import LoadedModel, load_model
+from jaxkv.models.config import LlamaConfig
+from jaxkv.models.llama import Llama, forward
+from jaxkv.sampling import Generation, Sampler, prefill, sample
+
+__all__ = [
+    "CacheFullError",
+    "CacheSpec",
+    "Generation",
+    "JaxkvError",
+    "KVCache",
+    "Llama",
+    "LlamaConfig",
+    "LoadedModel",
+    "MemoryReport",
+    "ModelFileError",
+    "Sampler",
+    "forward",
+    "load_model",
+    "memory_report",
+    "prefill",
+    "sample",
+]

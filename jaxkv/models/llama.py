@@ -94,7 +94,7 @@ class Llama(nnx.Module):
         n = cache.admit(n)
         cache = cache.prepare(n)
         view = cache.read_view(cache.query_positions(n, t))
-        x = jnp.take(self.embed.value, tokens, axis=0)
+        x = jnp.take(self.embed[...], tokens, axis=0)
 
         def layer(x, xs):
             w, kv = xs
@@ -108,14 +108,14 @@ class Llama(nnx.Module):
             x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
             return x, (k_store, v_store)
 
-        weights = {name: getattr(self, name).value for name in LAYER_WEIGHTS}
+        weights = {name: getattr(self, name)[...] for name in LAYER_WEIGHTS}
         x, (k_new, v_new) = lax.scan(layer, x, (weights, cache.layer_leaves()))
         cache = cache.append(k_new, v_new, n)
         if last_only:  # the last appended token of each row
             idx = jnp.maximum(n - 1, 0)[:, None, None]
             x = jnp.take_along_axis(x, jnp.broadcast_to(idx, (b, 1, x.shape[-1])), axis=1)
-        x = rms_norm(x, self.final_norm.value, c.norm_eps)
-        head = self.embed.value.T if c.tie_embeddings else self.lm_head.value
+        x = rms_norm(x, self.final_norm[...], c.norm_eps)
+        head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
         logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
         return logits, cache
 

