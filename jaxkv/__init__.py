@@ -17,7 +17,7 @@ from jaxkv.errors import CacheFullError, JaxkvError, ModelFileError
 from jaxkv.models import LoadedModel, load_model
 from jaxkv.models.config import LlamaConfig
 from jaxkv.models.llama import Llama, forward
-from jaxkv.sampling import BatchGeneration, Generation, Sampler, generate, prefill, sample
+from jaxkv.sampling import BatchGeneration, Generation, Sampler, decode, generate, prefill, sample
 
 __all__ = [
     "CacheFullError",
@@ -32,6 +32,7 @@ __all__ = [
     "MemoryReport",
     "ModelFileError",
     "Sampler",
+    "decode",
     "forward",
     "generate",
     "load_model",

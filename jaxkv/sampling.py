@@ -86,9 +86,8 @@ class _LoopState:
     step: jax.Array  # int32[] global sampling step (PRNG stream position)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("chunk",), donate_argnames=("cache",))
-def _prefill_chunk(graphdef, state, tokens, n, cache, *, chunk):
-    del chunk  # part of the jit key only through tokens' shape
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnames=("cache",))
+def _prefill_chunk(graphdef, state, tokens, n, cache):
     return forward(graphdef, state, tokens, n, cache, last_only=True)
 
 
@@ -158,7 +157,7 @@ def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]]
         tokens = np.zeros((len(prompts), t), np.int32)
         for b, p in enumerate(prompts):
             tokens[b, : n[b]] = p[offsets[b] : offsets[b] + n[b]]
-        logits, cache = _prefill_chunk(graphdef, state, jnp.asarray(tokens), jnp.asarray(n), cache, chunk=t)
+        logits, cache = _prefill_chunk(graphdef, state, jnp.asarray(tokens), jnp.asarray(n), cache)
         finished = jnp.asarray((n > 0) & (remaining == n))
         last = logits[:, 0] if last is None else jnp.where(finished[:, None], logits[:, 0], last)
         lengths += n
@@ -272,38 +271,69 @@ def generate(
     if eos_id is None and model.tokenizer is not None:
         eos_id = model.tokenizer.eos_id
     spec = cache or CacheSpec(max_len=max(len(p) for p in prompts) + max(counts))
-    c, batch = model.config, len(prompts)
-    kv = KVCache.create(spec, batch=batch, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
-
+    c = model.config
+    kv = KVCache.create(spec, batch=len(prompts), n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
     compile_s = _warm_prefill(model, kv, max(len(p) for p in prompts))
     t0 = time.perf_counter()
     kv, logits = prefill(model, kv, prompts)
     logits.block_until_ready()
     prefill_s = time.perf_counter() - t0
+    result = decode(model, kv, logits, max_new_tokens=counts, sampler=sampler, seed=seed, block=block,
+                    eos_id=eos_id, on_block=on_block)
+    return dataclasses.replace(result, prefill_s=prefill_s, compile_s=result.compile_s + compile_s)
 
+
+def decode(
+    model: LoadedModel,
+    cache: KVCache,
+    logits,
+    *,
+    max_new_tokens: Sequence[int],
+    sampler: Sampler = Sampler(),
+    seed: int = 0,
+    step: int = 0,
+    block: int = 32,
+    eos_id: int | None = None,
+    on_block: Callable[[np.ndarray], None] | None = None,
+) -> BatchGeneration:
+    """Sample from a prefilled cache until every row stops (EOS, its token budget, or a full cache).
+
+    Args:
+      model: a :class:`LoadedModel`. cache: the prefilled :class:`KVCache` (B rows; consumed).
+      logits: float32[B, V], the logits after each row's last appended token (from :func:`prefill`).
+      max_new_tokens: B token budgets (>= 1).
+      sampler, seed: the next-token rule and PRNG seed; ``step`` is the position in the PRNG
+        stream (continue a conversation with the previous call's ``step + tokens sampled``).
+      block: decode steps per compiled call. eos_id: stop token (None = never stop on a token).
+      on_block: called with each block's tokens, int32[B, block] (-1 = no token).
+    Returns:
+      a :class:`BatchGeneration` (``prefill_s`` 0). The last sampled token of each row is
+      *not* in the cache: feed it first when continuing.
+    """
     graphdef, state = nnx.split(model.model)
+    batch = cache.batch
     loop = _LoopState(
         logits=logits,
         done=jnp.zeros((batch,), bool),
         reason=jnp.zeros((batch,), jnp.int32),
         generated=jnp.zeros((batch,), jnp.int32),
-        step=jnp.int32(0),
+        step=jnp.int32(step),
     )
-    max_new = jnp.asarray(counts, jnp.int32)
+    max_new = jnp.asarray(max_new_tokens, jnp.int32)
     rng = jax.random.PRNGKey(seed)
-    t1 = time.perf_counter()
+    t0 = time.perf_counter()
     compiled = _decode_block.lower(
-        graphdef, state, kv, loop, max_new, rng, sampler=sampler, block=block, eos_id=eos_id
+        graphdef, state, cache, loop, max_new, rng, sampler=sampler, block=block, eos_id=eos_id
     ).compile()
-    compile_s += time.perf_counter() - t1
+    compile_s = time.perf_counter() - t0
 
-    ids: list[list[int]] = [[] for _ in prompts]
+    ids: list[list[int]] = [[] for _ in range(batch)]
     decode_s = 0.0
     while True:
-        t2 = time.perf_counter()
-        kv, loop, out = compiled(state, kv, loop, max_new, rng)
+        t1 = time.perf_counter()
+        cache, loop, out = compiled(state, cache, loop, max_new, rng)
         out = np.asarray(out)
-        decode_s += time.perf_counter() - t2
+        decode_s += time.perf_counter() - t1
         for row, toks in zip(ids, out):
             row.extend(int(i) for i in toks if i >= 0)
         if on_block is not None:
@@ -312,7 +342,7 @@ def generate(
             break
     reasons = [FINISH_REASONS[int(r)] for r in np.asarray(loop.reason)]
     return BatchGeneration(
-        token_ids=ids, finish_reasons=reasons, cache=kv, prefill_s=prefill_s, decode_s=decode_s, compile_s=compile_s
+        token_ids=ids, finish_reasons=reasons, cache=cache, prefill_s=0.0, decode_s=decode_s, compile_s=compile_s
     )
 
 
@@ -405,5 +435,5 @@ def _warm_prefill(model: LoadedModel, kv: KVCache, n_prompt: int, chunk: int = 1
     graphdef, state = nnx.split(model.model)
     tokens = jnp.zeros((kv.batch, t), jnp.int32)
     n = jnp.zeros((kv.batch,), jnp.int32)
-    _prefill_chunk(graphdef, state, tokens, n, jax.tree.map(jnp.copy, kv), chunk=t)[0].block_until_ready()
+    _prefill_chunk(graphdef, state, tokens, n, jax.tree.map(jnp.copy, kv))[0].block_until_ready()
     return time.perf_counter() - t0
