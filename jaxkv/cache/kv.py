@@ -182,15 +182,22 @@ class KVCache:
             return self
         u0 = self.length - spec.sink
         flush = (n > 0) & (u0 > 0) & (u0 % spec.residual == 0)
-        return lax.cond(jnp.any(flush), lambda c: c._flush(flush, u0), lambda c: c, self)
+        q, g = self.quant, spec.group_size
 
-    def _flush(self, flush, u0) -> "KVCache":
-        spec, q = self.spec, self.quant
-        g = spec.group_size
-        qk = kivi.quantize_keys(self.ring_k, bits=spec.bits, group_size=g, scale_dtype=spec.scale_dtype)
-        qv = kivi.quantize_values(self.ring_v, bits=spec.bits, scale_dtype=spec.scale_dtype)
-        first = u0 - spec.residual  # window index of the residual's first token
-        start = first % spec.n_quant
+        def quantize(k, v):
+            return (
+                kivi.quantize_keys(k, bits=spec.bits, group_size=g, scale_dtype=spec.scale_dtype),
+                kivi.quantize_values(v, bits=spec.bits, scale_dtype=spec.scale_dtype),
+            )
+
+        # quantise only when some row flushes; the (small, R-token) result is then written
+        # in place with a per-row count of 0 or R, so no step copies the quantised ring
+        shapes = jax.eval_shape(quantize, self.ring_k, self.ring_v)
+        qk, qv = lax.cond(
+            jnp.any(flush), quantize, lambda k, v: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+            self.ring_k, self.ring_v,
+        )
+        start = (u0 - spec.residual) % spec.n_quant  # slot of the residual's first token
         count = jnp.where(flush, spec.residual, 0)
         gstart, gcount = start // g, count // g
         tok = dict(batch_axis=1, slot_axis=3)
@@ -203,8 +210,7 @@ class KVCache:
             v_zero=write_ring(q.v_zero, qv.zero, start, count, **tok),
             pos=write_ring(q.pos, self.ring_pos, start, count, batch_axis=0, slot_axis=1),
         )
-        ring_pos = jnp.where(flush[:, None], -1, self.ring_pos)
-        return self.replace(quant=quant, ring_pos=ring_pos)
+        return self.replace(quant=quant, ring_pos=jnp.where(flush[:, None], -1, self.ring_pos))
 
     def query_positions(self, n: jax.Array, chunk: int) -> jax.Array:
         """int32[B, T]: absolute positions of the next ``chunk`` tokens, -1 beyond ``n[b]``."""
