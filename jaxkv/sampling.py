@@ -249,7 +249,8 @@ def generate(
       prompts: B non-empty lists of token ids.
       max_new_tokens: tokens to generate per row (one int for all rows, or B ints), >= 1.
       sampler: the next-token rule; seed: PRNG seed (rows draw from split keys).
-      cache: the cache spec; None = a full fp32 cache of ``longest prompt + max_new_tokens``.
+      cache: the cache spec; None = a full fp32 cache of ``longest prompt + max_new_tokens``
+        slots rounded up to a multiple of 256 (:func:`full_cache_len`).
       block: decode steps per compiled call (host sees tokens once per block).
       eos_id: stop a row at this token (None = the tokenizer's EOS).
       on_block: called with each block's tokens, int32[B, block] (-1 = no token).
@@ -270,7 +271,7 @@ def generate(
         raise JaxkvError(f"block={block!r}: expected an integer >= 1")
     if eos_id is None and model.tokenizer is not None:
         eos_id = model.tokenizer.eos_id
-    spec = cache or CacheSpec(max_len=max(len(p) for p in prompts) + max(counts))
+    spec = cache or CacheSpec(max_len=full_cache_len(max(len(p) for p in prompts) + max(counts)))
     c = model.config
     kv = KVCache.create(spec, batch=len(prompts), n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
     compile_s = _warm_prefill(model, kv, max(len(p) for p in prompts))
@@ -370,7 +371,8 @@ def sample(
         tokenizer adds one; empty text means BOS alone.
       max_new_tokens: tokens to generate at most (>= 1).
       temperature, top_k, top_p: see :class:`Sampler`. seed: PRNG seed.
-      cache: a :class:`CacheSpec`; None = a full fp32 cache of ``prompt + max_new_tokens`` slots.
+      cache: a :class:`CacheSpec`; None = a full fp32 cache of ``prompt + max_new_tokens`` slots,
+        rounded up to a multiple of 256.
       chat: wrap ``prompt`` in the model's chat template (as one user message).
       tokenizer: a tokenizer file overriding the model's (only with a path).
       block: tokens per compiled decode call (the granularity of ``on_text``).
@@ -421,6 +423,12 @@ def sample(
         memory=memory_report(result.cache),
         spec=result.cache.spec,
     )
+
+
+def full_cache_len(n_tokens: int, step: int = 256) -> int:
+    """Slots of a default full cache for ``n_tokens``: rounded up to a multiple of ``step`` so
+    that prompts of similar length share one compiled decode step."""
+    return step * -(-n_tokens // step)
 
 
 def _chunk_len(spec: CacheSpec, longest: int, chunk: int) -> int:

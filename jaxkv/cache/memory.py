@@ -47,9 +47,12 @@ class MemoryReport:
         return sum(self.live.values())
 
     def summary(self) -> str:
-        """One line, e.g. ``cache 1.25 MiB (codes 0.50 MiB, scales_zeros 0.12 MiB, ...)``."""
+        """One line, e.g. ``cache 1.25 MiB allocated, 0.80 MiB live (codes 0.50 MiB, ...)``.
+
+        The per-group figures in parentheses are allocated bytes.
+        """
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.allocated.items() if v)
-        return f"cache {format_bytes(self.allocated_bytes)} ({parts})"
+        return f"cache {format_bytes(self.allocated_bytes)} allocated, {format_bytes(self.live_bytes)} live ({parts})"
 
 
 def memory_report(cache: KVCache) -> MemoryReport:
