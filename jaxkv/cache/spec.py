@@ -8,7 +8,6 @@ and the two RoPE position modes; KIVI (Liu et al. 2024, arXiv 2402.02750, §3-4)
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from jaxkv.errors import JaxkvError
 
@@ -129,7 +128,9 @@ class CacheSpec:
             return 0
         if self.bounded:
             return self.window
-        return self.group_size * math.ceil(self.max_len / self.group_size)
+        # lazy flush: after the last admitted position max_len - 1, R * floor((max_len - 1) / R)
+        # tokens have been flushed, the rest sit in the residual
+        return self.residual * max(1, (self.max_len - 1) // self.residual)
 
     @property
     def capacity(self) -> int:
