@@ -13,6 +13,7 @@ Public API::
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.memory import MemoryReport, memory_report
 from jaxkv.cache.spec import CacheSpec
+from jaxkv.chat import ChatSession
 from jaxkv.errors import CacheFullError, JaxkvError, ModelFileError
 from jaxkv.models import LoadedModel, load_model
 from jaxkv.models.config import LlamaConfig
@@ -23,6 +24,7 @@ __all__ = [
     "CacheFullError",
     "BatchGeneration",
     "CacheSpec",
+    "ChatSession",
     "Generation",
     "JaxkvError",
     "KVCache",

@@ -1,0 +1,434 @@
+"""Endless chat (issue 9): ChatSession turns over one cache, save/resume, and `jaxkv chat`.
+
+Fast tests use stories260K (tok512 SentencePiece) with a ChatML-like template written with
+its control tokens (``<s>role\\n...</s>\\n``); stories260K never emits ``</s>`` (llama2.c
+trained it with BOS separators only), so :func:`stories_chat` can also give it a twin
+whose EOS embedding row is 1.2x the row of ``.``: a model that ends its reply where it
+would end a sentence, to exercise EOS-terminated turns. SmolLM2 (ChatML from its GGUF)
+runs one short slow test.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import SMOLLM2, STORIES_BIN, TOK512_MODEL, ref_kwargs, tiny_model
+from reference import RefDecoder
+from jaxkv import CacheFullError, CacheSpec, ChatSession, JaxkvError, LoadedModel, Sampler, generate, load_model
+from jaxkv.chat import default_cache_spec
+from jaxkv.models.llama import Llama, weight_shapes
+
+TESTS = pathlib.Path(__file__).resolve().parent
+TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+PERIOD = 426  # tok512's "."
+FULL = CacheSpec(max_len=400)
+SPEC16 = CacheSpec(sink=4, window=16)
+STREAMING = CacheSpec(sink=4, window=60, positions="cache")  # also what `jaxkv chat --streaming-llm-sink 4 --streaming-llm-window 60` builds
+# float32 scales: RefDecoder rounds scales to nearest, jaxkv's float16 ones are directed (see test_kivi_cache)
+KIVI = CacheSpec(sink=4, window=60, kv_quantize="int4", group_size=4, residual=8, scale_dtype="float32", positions="cache")
+class Interrupted(BaseException):
+    """Stands for KeyboardInterrupt (which would also stop pytest) in the interruption tests."""
+
+
+MESSAGES = ["Hello there", "Tell me a story about a cat", "Why is the sky blue?", "What happened next?", "Thank you"]
+
+
+def weights_of(loaded: LoadedModel) -> dict:
+    return {name: np.asarray(getattr(loaded.model, name)[...]) for name in weight_shapes(loaded.config)}
+
+
+@functools.lru_cache(maxsize=None)
+def stories_chat(stops: bool = False) -> LoadedModel:
+    """stories260K with TEMPLATE as its chat template (``stops``: EOS row = 1.2 x the "." row)."""
+    loaded = load_model(STORIES_BIN, tokenizer=TOK512_MODEL)
+    tok = copy.copy(loaded.tokenizer)
+    tok.chat_template = TEMPLATE
+    model = loaded.model
+    if stops:
+        w = weights_of(loaded)
+        w["embed"] = w["embed"].copy()
+        w["embed"][tok.eos_id] = 1.2 * w["embed"][PERIOD]
+        model = Llama.from_weights(loaded.config, w)
+    return dataclasses.replace(loaded, model=model, tokenizer=tok)
+
+
+def expected_transcript(session: ChatSession, users, replies, reasons) -> list[int]:
+    """The conversation's ids as the chat template writes it: the template rendered once over
+    the whole conversation (replies as placeholders), each piece between replies tokenised,
+    the replies' own ids in between (a stopping EOS stands for the template's closing marker)."""
+    tok = session.model.tokenizer
+    msgs = [] if session.system is None else [{"role": "system", "content": session.system}]
+    for k, user in enumerate(users):
+        msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": f"@@REPLY{k}@@"}]
+    pieces = re.split(r"@@REPLY\d+@@", tok.apply_chat_template(msgs, add_generation_prompt=False))
+    bos = tok.id_to_token(tok.bos_id)
+    ids = tok.encode(pieces[0], add_bos=tok.add_bos and not pieces[0].startswith(bos))
+    for k, (reply, reason) in enumerate(zip(replies, reasons)):
+        last = k == len(replies) - 1
+        ids += reply if last or reason != "eos" else reply[:-1]
+        if not last:
+            ids += tok.encode(pieces[k + 1], add_bos=False)
+    return ids
+
+
+def converse(session, messages):
+    """Send ``messages``; per turn: reply ids, finish reason, stats, index of the reply in the transcript."""
+    replies, reasons, stats, starts = [], [], [], []
+    for m in messages:
+        session.send(m)
+        replies.append(session.last_reply_ids)
+        reasons.append(session.finish_reason)
+        stats.append(session.stats())
+        starts.append(len(session.transcript_ids) - len(session.last_reply_ids))
+    return replies, reasons, stats, starts
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    """Environment for subprocesses: CPU, and one persistent compilation cache so that the
+    processes of this module compile each shape once (the cache changes no result)."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+# ------------------------------------------------------------------ 1. full cache = from scratch
+
+
+@pytest.mark.parametrize("stops", [False, True], ids=["length", "eos"])
+def test_three_turns_full_cache_equal_decoding_the_transcript_from_scratch(stops):
+    """Each reply equals greedy decoding, from an empty cache, of the transcript up to it; the
+    transcript is exactly the template's (EOS-stopped replies: the EOS is the closing marker)."""
+    model = stories_chat(stops)
+    session = ChatSession(model, FULL, max_new_tokens=24)
+    replies, reasons, _, starts = converse(session, MESSAGES[:3])
+    if stops:
+        assert reasons.count("eos") >= 2, reasons
+    else:
+        assert set(reasons) == {"length"}
+    transcript = session.transcript_ids
+    assert transcript == expected_transcript(session, MESSAGES[:3], replies, reasons)
+    assert transcript[:2] == [1, 318]  # the template's own <s>, no extra BOS
+    assert session.tokens_seen == len(transcript) - 1 and session.pending_token == transcript[-1]
+    for reply, start in zip(replies, starts):
+        scratch = generate(model, [transcript[:start]], max_new_tokens=24, cache=FULL, block=8)
+        assert scratch.token_ids[0] == reply
+    assert session.messages[1]["content"] == model.tokenizer.decode(replies[0][:-1] if reasons[0] == "eos" else replies[0])
+
+
+def test_turn_rendering_bos_and_no_repeated_system_prompt():
+    """A template that does not write BOS gets the tokenizer's BOS on the first turn only; a
+    template's default system prompt (as SmolLM2's) appears once; a system message once."""
+    no_bos = "{% if messages[0]['role'] != 'system' %}sys: default\n{% endif %}" + TEMPLATE.replace("<s>", "")
+    session = ChatSession(stories_chat(), FULL, chat_template=no_bos, max_new_tokens=2)
+    tok = session.model.tokenizer
+    first = session.turn_ids("Hi")
+    assert first[0] == tok.bos_id and first[1] != tok.bos_id
+    assert first == tok.encode("sys: default\nuser\nHi</s>\nassistant\n", add_bos=True)
+    session.send("Hi")
+    second = session.turn_ids("Again")
+    assert tok.bos_id not in second[1:] and second[0] == session.pending_token
+    assert second[1:] == tok.encode("</s>\nuser\nAgain</s>\nassistant\n", add_bos=False)
+    with_system = ChatSession(stories_chat(), FULL, system="Be brief.", max_new_tokens=2)
+    with_system.send("Hi")
+    assert with_system.turn_ids("Again")[1:] == tok.encode("</s>\n<s>user\nAgain</s>\n<s>assistant\n", add_bos=False)
+    assert with_system.messages[0] == {"role": "system", "content": "Be brief."}
+
+
+# ---------------------------------------------------- 2. thirty turns over a bounded cache
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [CacheSpec(sink=4, window=60), STREAMING, KIVI],
+    ids=["fp32-absolute", "fp32-cache", "int4-cache"],
+)
+def test_thirty_turns_stay_under_the_cap_and_match_the_reference(spec):
+    """30 scripted turns: stored tokens never exceed the cap; the last turn's logits equal the
+    NumPy RefDecoder (DESIGN §2 retained set, simulated) fed the whole transcript token by token."""
+    model = stories_chat()
+    session = ChatSession(model, spec, max_new_tokens=6)
+    script = [f"{MESSAGES[i % len(MESSAGES)]} {i}" for i in range(30)]
+    replies, _, stats, starts = converse(session, script)
+    cap = spec.sink + spec.window + (spec.residual if spec.quantized else 0)
+    assert all(s.tokens_stored <= cap == s.capacity for s in stats)
+    assert stats[-1].tokens_seen > 8 * cap and stats[-1].tokens_stored > spec.sink + spec.window // 2
+    if not spec.quantized:
+        assert [s.tokens_stored for s in stats] == [min(s.tokens_seen, cap) for s in stats]
+    cfg = dict(n_heads=model.config.n_heads, n_kv_heads=model.config.n_kv_heads, head_dim=model.config.head_dim,
+               theta=model.config.rope_theta, eps=model.config.norm_eps, tie=model.config.tie_embeddings)
+    ref = RefDecoder(weights_of(model), cfg, **ref_kwargs(spec))
+    for t in session.transcript_ids[: starts[-1]]:
+        logits = ref.step(t)
+    np.testing.assert_allclose(session.last_logits, logits, atol=1e-4, rtol=0)
+    assert int(np.argmax(logits)) == replies[-1][0]
+
+
+# ------------------------------------------------------------------------- 3. save / resume
+
+RESUME_SAMPLER = Sampler(temperature=0.9, top_k=40)
+
+
+def resumed_in_new_process(path, messages, jax_cache):
+    code = (
+        "import json, sys; sys.path[:0] = [sys.argv[1]]\n"
+        "from test_chat import stories_chat\n"
+        "from jaxkv import ChatSession\n"
+        "s = ChatSession.load(sys.argv[2], stories_chat())\n"
+        "for m in json.loads(sys.argv[3]): s.send(m)\n"
+        "print(json.dumps(dict(transcript=s.transcript_ids, turns=s.stats().turns)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(TESTS), str(path), json.dumps(messages)],
+                         capture_output=True, text=True, timeout=300, env=jax_cache)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_save_after_turn_two_resume_in_a_new_process_continues_identically(tmp_path, jax_cache):
+    """Sampling at temperature 0.9 (so the PRNG position must be restored too), an int4
+    StreamingLLM cache that has wrapped: the resumed process produces the same tokens."""
+    path = tmp_path / "chat.safetensors"
+    session = ChatSession(stories_chat(), KIVI, sampler=RESUME_SAMPLER, seed=7, max_new_tokens=24)
+    converse(session, MESSAGES[:2])
+    assert session.tokens_seen > KIVI.capacity
+    session.save(path)
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    converse(session, MESSAGES[2:4])
+    resumed = resumed_in_new_process(path, MESSAGES[2:4], jax_cache)
+    assert resumed == dict(transcript=session.transcript_ids, turns=4)
+
+
+def test_load_restores_everything_in_process(tmp_path):
+    path = tmp_path / "chat.safetensors"
+    session = ChatSession(stories_chat(True), CacheSpec(sink=4, window=16, kv_quantize="bf16"), system="Be kind.",
+                          max_new_tokens=12)
+    converse(session, MESSAGES[:2])
+    session.save(path)
+    loaded = ChatSession.load(path, stories_chat(True))
+    for attr in ("spec", "system", "messages", "transcript_ids", "pending_token", "finish_reason", "last_reply_ids", "seed"):
+        assert getattr(loaded, attr) == getattr(session, attr), attr
+    assert loaded.stats() == session.stats()
+    for a, b in zip(jax.tree.leaves(loaded.cache), jax.tree.leaves(session.cache)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    assert loaded.send("More") == session.send("More")
+    session.reset()  # an empty session saves and loads too
+    session.save(path)
+    assert ChatSession.load(path, stories_chat(True)).stats().tokens_seen == 0
+
+
+def test_load_refuses_other_models_specs_and_damaged_files(tmp_path):
+    path = tmp_path / "chat.safetensors"
+    model = stories_chat()
+    session = ChatSession(model, SPEC16, max_new_tokens=4)
+    session.send("Hello")
+    session.save(path)
+    blob = path.read_bytes()
+
+    w = weights_of(model)
+    w["wq"] = w["wq"] * 1.01
+    retrained = dataclasses.replace(model, model=Llama.from_weights(model.config, w))
+    with pytest.raises(JaxkvError, match=r"saved for another model \(weights_sha256 differ"):
+        ChatSession.load(path, retrained)
+    tiny = tiny_model()[0]
+    with pytest.raises(JaxkvError, match=r"another model \(config, weights_sha256 differ.*n_layers"):
+        ChatSession.load(path, LoadedModel(config=tiny.config, model=tiny, tokenizer=model.tokenizer))
+    with pytest.raises(JaxkvError, match="another model.*tokenizer"):
+        ChatSession.load(path, model, chat_template=TEMPLATE + " ")
+    with pytest.raises(JaxkvError, match=r"another cache spec \(sink 4 \+ window 16.*asked for \(sink 4 \+ window 32"):
+        ChatSession.load(path, model, cache=CacheSpec(sink=4, window=32))
+
+    damaged = tmp_path / "damaged.safetensors"
+    for cut in (len(blob) // 2, len(blob) - 1, 100, 5, 0):
+        damaged.write_bytes(blob[:cut])
+        with pytest.raises(JaxkvError, match="truncated/corrupt") as e:
+            ChatSession.load(damaged, model)
+        assert str(damaged) in str(e.value)
+    flipped = bytearray(blob)
+    flipped[-7] ^= 0x40
+    damaged.write_bytes(bytes(flipped))
+    with pytest.raises(JaxkvError, match="checksum mismatch"):
+        ChatSession.load(damaged, model)
+    import safetensors.numpy
+
+    safetensors.numpy.save_file({"x": np.zeros(3, np.float32)}, str(damaged))
+    with pytest.raises(JaxkvError, match="not a jaxkv chat cache file"):
+        ChatSession.load(damaged, model)
+    with pytest.raises(JaxkvError, match="no such chat cache file"):
+        ChatSession.load(tmp_path / "missing.safetensors", model)
+    assert ChatSession.load(path, model).transcript_ids == session.transcript_ids
+
+
+@pytest.mark.parametrize("fail", ["replace", "fsync"])
+def test_an_interrupted_save_leaves_the_previous_file(tmp_path, monkeypatch, fail):
+    path = tmp_path / "chat.safetensors"
+    session = ChatSession(stories_chat(), SPEC16, max_new_tokens=4)
+    session.send("Hello")
+    session.save(path)
+    session.send("Again")
+
+    def boom(*args):
+        raise Interrupted
+
+    monkeypatch.setattr(os, fail, boom)
+    with pytest.raises(Interrupted):
+        session.save(path)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.safetensors"]  # no temporary left behind
+    assert ChatSession.load(path, stories_chat()).stats().turns == 1
+
+
+# ----------------------------------------------------------------- 4. limits and robustness
+
+
+def test_a_full_cache_runs_out_with_a_clear_error_and_reset_starts_over():
+    model = stories_chat()
+    session = ChatSession(model, FULL, max_new_tokens=500)
+    first = session.send("Hello there")
+    assert session.finish_reason == "cache_full" and session.tokens_seen == 400
+    with pytest.raises(CacheFullError, match=r"max_len=400.*/reset.*--streaming-llm-window"):
+        session.send("More")
+    assert session.tokens_seen == 400 and session.stats().turns == 1  # unchanged
+    session.reset()
+    assert session.stats().tokens_seen == 0 and session.messages == []
+    assert session.send("Hello there") == first
+
+
+def test_an_interrupted_turn_leaves_the_session_as_before():
+    session = ChatSession(stories_chat(), SPEC16, max_new_tokens=20)
+    session.send("Hello")
+    before = (session.transcript_ids, session.stats())
+
+    def interrupt(piece):
+        raise Interrupted
+
+    with pytest.raises(Interrupted):
+        session.send("Again", on_text=interrupt)
+    assert (session.transcript_ids, session.stats()) == before
+    pieces = []
+    text = session.send("Again", on_text=pieces.append)
+    assert "".join(pieces) == text and len(pieces) > 1
+    fresh = ChatSession(stories_chat(), SPEC16, max_new_tokens=20)
+    fresh.send("Hello")
+    assert fresh.send("Again") == text
+
+
+def test_defaults_and_argument_errors():
+    model = stories_chat()
+    assert ChatSession(model).spec == CacheSpec(sink=4, window=508, positions="cache")  # 512-token context
+    smol = dataclasses.replace(model.config, max_seq_len=8192)
+    assert default_cache_spec(smol) == CacheSpec(sink=4, window=1020, positions="cache")
+    q = default_cache_spec(smol, kv_quantize="int4")
+    assert q.window % q.group_size == 0 and q.sink + q.window + q.residual <= 1024
+    with pytest.raises(JaxkvError, match="no chat template"):
+        ChatSession(load_model(STORIES_BIN, tokenizer=TOK512_MODEL))
+    with pytest.raises(JaxkvError, match="max_new_tokens=0"):
+        ChatSession(model, max_new_tokens=0)
+    with pytest.raises(JaxkvError, match="must be a string"):
+        ChatSession(model).send(42)
+
+
+# ------------------------------------------------------------------------------ 5. the CLI
+
+STORIES_CHAT_ARGV = [str(STORIES_BIN), "--tokenizer", str(TOK512_MODEL), "--chat-template", TEMPLATE]
+
+
+def test_cli_in_a_pseudo_terminal_answers_and_stored_tokens_stop_at_the_cap(jax_cache):
+    """Through a pseudo-terminal (the child sees a tty: it prompts, and Ctrl-D ends it)."""
+    pexpect = pytest.importorskip("pexpect")
+    from pexpect import fdpexpect
+
+    argv = [sys.executable, "-m", "jaxkv.cli", "chat", *STORIES_CHAT_ARGV, "--tokens", "12",
+            "--streaming-llm-sink", "4", "--streaming-llm-window", "60"]
+    # subprocess forks and execs in C; pexpect.spawn would fork this multithreaded (JAX) process in Python
+    master, slave = os.openpty()
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env={**jax_cache, "TERM": "dumb"},
+                            start_new_session=True)
+    os.close(slave)
+    child = fdpexpect.fdspawn(master, encoding="utf-8", timeout=120)
+    try:
+        child.expect("Ctrl-D")
+        stored, seen = [], []
+        for message in ("Hello there", "Tell me a story", "What happened next?"):
+            child.expect_exact("> ")
+            child.sendline(message)
+            child.expect(r"\r\n(.+)\r\n> ")  # the echoed line ends, the reply streams, the next prompt
+            assert len(child.match.group(1).strip()) > 10
+            child.sendline("/stats")
+            child.expect(r"tokens seen (\d+), tokens stored (\d+) \(capacity 64\)")
+            seen.append(int(child.match.group(1)))
+            stored.append(int(child.match.group(2)))
+        assert seen[0] < 64 < seen[1] < seen[2]
+        assert stored == [seen[0], 64, 64]
+        child.expect_exact("> ")
+        child.sendline("/reset")
+        child.expect_exact("[conversation reset]")
+        child.expect_exact("> ")
+        child.send("\x04")  # Ctrl-D on an empty line: end of input
+        child.expect(pexpect.EOF)
+        assert proc.wait(timeout=60) == 0, child.before
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        child.close()
+
+
+def run_chat(env, *argv, stdin: str):
+    return subprocess.run([sys.executable, "-m", "jaxkv.cli", "chat", *argv], input=stdin, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def test_cli_reads_one_message_per_line_and_resumes_from_its_cache_file(tmp_path, jax_cache):
+    """Piped stdin: one message per line; with --cache-file, a second process picks up where the
+    first stopped and prints what one session would have; a mismatched spec exits 2."""
+    path = tmp_path / "chat.safetensors"
+    flags = [*STORIES_CHAT_ARGV, "--tokens", "10", "--streaming-llm-sink", "4", "--streaming-llm-window", "60"]
+    first = run_chat(jax_cache, *flags, "--cache-file", str(path), stdin="Hello\nTell me a long story\n")
+    assert first.returncode == 0, first.stderr
+    second = run_chat(jax_cache, *flags, "--cache-file", str(path), stdin="\n/stats\nAnd then?\n/stats\n")
+    assert second.returncode == 0, second.stderr
+    assert "[resumed" in second.stderr
+    session = ChatSession(stories_chat(), STREAMING, max_new_tokens=10)
+    replies = [session.send(m) for m in ("Hello", "Tell me a long story")]
+    seen_before = session.tokens_seen
+    replies.append(session.send("And then?"))
+    out = first.stdout.splitlines() + second.stdout.splitlines()
+    assert out[:2] + out[3:4] == replies
+    assert f"tokens seen {seen_before}, tokens stored 64 (capacity 64)" in out[2]
+    assert f"tokens seen {session.tokens_seen}, tokens stored 64 (capacity 64)" in out[4]
+    other = run_chat(jax_cache, *STORIES_CHAT_ARGV, "--streaming-llm-sink", "4", "--streaming-llm-window", "32",
+                     "--cache-file", str(path), stdin="Hi\n")
+    assert other.returncode == 2 and other.stderr.startswith("jaxkv: error: ") and "another cache spec" in other.stderr
+    assert other.stderr.count("\n") == 1
+
+
+# --------------------------------------------------------------------------- 6. SmolLM2 (slow)
+
+
+@pytest.mark.slow
+def test_smollm2_two_turns_follow_chatml():
+    """The real ChatML template: the default system prompt once, <|im_end|> (the EOS) fed as
+    the closing marker, the cache transcript equal to the template's."""
+    model = load_model(SMOLLM2)
+    session = ChatSession(model, max_new_tokens=40)
+    users = ["What is the capital of France? Answer in one word.", "And of Italy?"]
+    replies, reasons, _, _ = converse(session, users)
+    assert "Paris" in session.messages[1]["content"] and "Rome" in session.messages[3]["content"]
+    assert "eos" in reasons
+    transcript = session.transcript_ids
+    assert transcript == expected_transcript(session, users, replies, reasons)
+    assert transcript.count(model.tokenizer.encode("system", add_bos=False)[0]) == 1
