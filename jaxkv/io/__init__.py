@@ -14,6 +14,7 @@ import numpy as np
 from jaxkv.errors import JaxkvError, ModelFileError
 from jaxkv.io.gguf_loader import MAGIC as GGUF_MAGIC
 from jaxkv.io.gguf_loader import load_gguf, load_gguf_tokenizer
+from jaxkv.io.hf import is_hf_folder, load_hf
 from jaxkv.io.llama2c import load_llama2c
 from jaxkv.io.tokenizer import DecodeStream, Tokenizer
 from jaxkv.models.config import LlamaConfig
@@ -24,6 +25,7 @@ __all__ = [
     "default_model_path",
     "load_gguf",
     "load_gguf_tokenizer",
+    "load_hf",
     "load_llama2c",
     "load_model_files",
     "load_tokenizer",
@@ -73,12 +75,14 @@ def load_model_files(
     """Load a model file and its tokenizer, whatever the format.
 
     Args:
-      path: a GGUF file (recognised by its magic ``b"GGUF"``) or a llama2.c legacy ``.bin``.
+      path: a GGUF file (recognised by its magic ``b"GGUF"``), a llama2.c legacy ``.bin``, or
+        a Hugging Face model folder (a directory; see :func:`jaxkv.io.hf.load_hf`).
       tokenizer_path: any file :func:`load_tokenizer` reads. Overrides a
         GGUF's own vocabulary; for a llama2.c checkpoint, defaults to the first of
         ``tok{V}.model``, ``tok{V}.bin``, ``tokenizer.model``, ``tokenizer.bin`` beside it.
     Returns:
-      ``(config, weights, tokenizer)``; see :func:`load_gguf` and :func:`load_llama2c`.
+      ``(config, weights, tokenizer)``; see :func:`load_gguf`, :func:`load_llama2c` and
+      :func:`load_hf`.
     Raises:
       ModelFileError: "no such model file: PATH", or a corrupt/unsupported file (see the
         loaders).
@@ -86,9 +90,11 @@ def load_model_files(
         than the model's vocabulary.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if is_hf_folder(path):
+        config, weights, tokenizer = load_hf(path, tokenizer=tokenizer_path is None)
+    elif not os.path.isfile(path):
         raise ModelFileError(f"no such model file: {path}")
-    if _is_gguf(path):
+    elif _is_gguf(path):
         config, weights, tokenizer = load_gguf(path)
     else:
         config, weights = load_llama2c(path)

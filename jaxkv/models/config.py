@@ -10,6 +10,9 @@ name                  shape                  meaning
 ``wq``                ``[L, D, N*H]``        query projection (rotate-half RoPE layout)
 ``wk``                ``[L, D, K*H]``        key projection (rotate-half RoPE layout)
 ``wv``                ``[L, D, K*H]``        value projection
+``bq``                ``[L, N*H]``           query bias (only when ``attention_bias``; Qwen2)
+``bk``                ``[L, K*H]``           key bias (rotate-half layout; only when ``attention_bias``)
+``bv``                ``[L, K*H]``           value bias (only when ``attention_bias``)
 ``wo``                ``[L, N*H, D]``        attention output projection
 ``mlp_norm``          ``[L, D]``             RMSNorm weight before the SwiGLU MLP
 ``w_gate``            ``[L, D, F]``          SwiGLU gate (llama2.c ``w1``)
@@ -33,6 +36,9 @@ import numpy as np
 
 from jaxkv.errors import JaxkvError
 
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+"""Hugging Face ``architectures`` that :meth:`LlamaConfig.from_hf` accepts."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
@@ -50,6 +56,7 @@ class LlamaConfig:
       norm_eps: RMSNorm epsilon.
       max_seq_len: the context length the model was trained with, tokens.
       tie_embeddings: the classifier is ``embed.T``.
+      attention_bias: the Q/K/V projections have biases ``bq``/``bk``/``bv`` (Qwen2).
       name: a human-readable identity (file name or preset).
     """
 
@@ -64,6 +71,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     max_seq_len: int = 2048
     tie_embeddings: bool = True
+    attention_bias: bool = False
     name: str = "llama"
 
     def __post_init__(self):
@@ -131,6 +139,76 @@ class LlamaConfig:
             norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             max_seq_len=int(get("context_length", 2048)),
             tie_embeddings=tie_embeddings,
+            name=name,
+        )
+
+    @classmethod
+    def from_hf(cls, hf: dict, *, name: str = "hf") -> "LlamaConfig":
+        """Config from a Hugging Face ``config.json`` (a plain dict).
+
+        Supported: ``LlamaForCausalLM`` (Llama, SmolLM2, TinyLlama), ``MistralForCausalLM``
+        and ``Qwen2ForCausalLM`` (Q/K/V biases), with SiLU MLPs and plain RoPE
+        (``rope_scaling`` absent, null or of type ``default``). Read: ``hidden_size``,
+        ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
+        ``num_key_value_heads`` (default: the query heads), ``head_dim`` (default:
+        hidden_size / heads), ``vocab_size``, ``rope_theta`` (or ``rope_parameters``;
+        default 10000), ``rms_norm_eps`` (default 1e-6), ``max_position_embeddings``
+        (default 2048), ``tie_word_embeddings`` (default False). Mistral's
+        ``sliding_window`` is not applied (logits are exact up to that many tokens; use a
+        StreamingLLM cache for a bounded window).
+
+        Raises:
+          JaxkvError: an unsupported architecture, activation, RoPE scaling, bias or
+            sliding-window layout, or a missing/invalid size (each named).
+        """
+        archs = hf.get("architectures") or []
+        model_type = hf.get("model_type")
+        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        arch = archs[0] if archs else by_type.get(model_type)
+        if len(archs) > 1 or arch not in HF_ARCHITECTURES:
+            found = ", ".join(archs) if archs else f"model_type {model_type!r}"
+            raise JaxkvError(f"architecture {found} is not supported: expected one of {', '.join(HF_ARCHITECTURES)}")
+
+        def need(key):
+            value = hf.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise JaxkvError(f"{arch} config: {key}={value!r}, expected a positive integer")
+            return value
+
+        act = hf.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise JaxkvError(f"{arch} config: hidden_act={act!r} is not supported: expected 'silu'")
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind != "default":
+                raise JaxkvError(f"{arch} config: rope_scaling of type {kind!r} is not supported (only plain RoPE)")
+        if arch == "Qwen2ForCausalLM":
+            bias = True  # Qwen2 always has Q/K/V biases (and none on the output projection)
+            if hf.get("use_sliding_window"):
+                raise JaxkvError(f"{arch} config: use_sliding_window=true is not supported")
+        else:
+            if hf.get("attention_bias") or hf.get("mlp_bias"):
+                which = "attention_bias" if hf.get("attention_bias") else "mlp_bias"
+                raise JaxkvError(f"{arch} config: {which}=true is not supported (biases on the output/MLP projections)")
+            bias = False
+        dim, n_heads = need("hidden_size"), need("num_attention_heads")
+        head_dim = hf.get("head_dim") or (dim // n_heads)
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        return cls(
+            vocab_size=need("vocab_size"),
+            dim=dim,
+            n_layers=need("num_hidden_layers"),
+            n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            hidden_dim=need("intermediate_size"),
+            rope_theta=float(theta if theta is not None else 10000.0),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_seq_len=int(hf.get("max_position_embeddings") or 2048),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bias,
             name=name,
         )
 

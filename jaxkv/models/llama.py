@@ -20,10 +20,12 @@ from jaxkv.errors import JaxkvError
 from jaxkv.models.config import LlamaConfig
 
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+BIAS_WEIGHTS = ("bq", "bk", "bv")  # present only when config.attention_bias (Qwen2)
 
 
 def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Expected shape of every weight of the internal layout (``lm_head`` only when untied)."""
+    """Expected shape of every weight of the internal layout (``lm_head`` only when untied,
+    ``bq``/``bk``/``bv`` only with ``attention_bias``)."""
     c = config
     L, D, F, V = c.n_layers, c.dim, c.hidden_dim, c.vocab_size
     shapes = {
@@ -41,6 +43,8 @@ def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     }
     if not c.tie_embeddings:
         shapes["lm_head"] = (D, V)
+    if c.attention_bias:  # last, so the random init of the other weights does not depend on it
+        shapes.update(bq=(L, c.n_heads * c.head_dim), bk=(L, c.n_kv_heads * c.head_dim), bv=(L, c.n_kv_heads * c.head_dim))
     return shapes
 
 
@@ -64,6 +68,8 @@ class Llama(nnx.Module):
         for i, (name, shape) in enumerate(weight_shapes(config).items()):
             if name.endswith("norm"):
                 value = jnp.ones(shape, dtype)
+            elif name in BIAS_WEIGHTS:
+                value = (0.1 * jax.random.normal(jax.random.fold_in(key, i), shape)).astype(dtype)
             else:
                 fan_in = shape[-2]
                 value = (jax.random.normal(jax.random.fold_in(key, i), shape) / np.sqrt(fan_in)).astype(dtype)
@@ -99,16 +105,20 @@ class Llama(nnx.Module):
         def layer(x, xs):
             w, kv = xs
             h = rms_norm(x, w["attn_norm"], c.norm_eps)
-            q = (h @ w["wq"]).reshape(b, t, c.n_heads, c.head_dim)
-            k = (h @ w["wk"]).reshape(b, t, c.n_kv_heads, c.head_dim)
-            v = (h @ w["wv"]).reshape(b, t, c.n_kv_heads, c.head_dim)
+            q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+            if c.attention_bias:
+                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+            q = q.reshape(b, t, c.n_heads, c.head_dim)
+            k = k.reshape(b, t, c.n_kv_heads, c.head_dim)
+            v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
             out, k_store, v_store = attend(cache.spec, view, kv, q, k, v, theta=c.rope_theta)
             x = x + out.reshape(b, t, c.n_heads * c.head_dim) @ w["wo"]
             h = rms_norm(x, w["mlp_norm"], c.norm_eps)
             x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
             return x, (k_store, v_store)
 
-        weights = {name: getattr(self, name)[...] for name in LAYER_WEIGHTS}
+        names = LAYER_WEIGHTS + (BIAS_WEIGHTS if c.attention_bias else ())
+        weights = {name: getattr(self, name)[...] for name in names}
         x, (k_new, v_new) = lax.scan(layer, x, (weights, cache.layer_leaves()))
         cache = cache.append(k_new, v_new, n)
         if last_only:  # the last appended token of each row
