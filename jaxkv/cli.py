@@ -1,4 +1,4 @@
-"""The ``jaxkv`` command line: ``jaxkv sample | info``.
+"""The ``jaxkv`` command line: ``jaxkv sample | chat | ppl | batch | info``.
 
 Errors a user can cause print one line, ``jaxkv: error: ...``, and exit with code 2.
 """
@@ -77,12 +77,30 @@ def _sample(args) -> None:
 
 
 def _info(args) -> None:
+    """``jaxkv info``: versions, backend, devices and the cache modes the backend is known to run."""
     import importlib.metadata as md
+    import platform
 
     import jax
 
-    print(f"jax {jax.__version__}, jaxlib {md.version('jaxlib')}, flax {md.version('flax')}, chex {md.version('chex')}")
-    print(f"backend {jax.default_backend()}; devices: {', '.join(str(d) for d in jax.devices())}")
+    from jaxkv.audit import backend_support
+
+    def version(dist):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    versions = [f"{d} {version(d)}" for d in ("jaxkv", "jax", "jaxlib", "flax", "chex", "numpy") if version(d)]
+    plugins = [f"{d} {version(d)}" for d in ("jax-metal", "jax-mps") if version(d)]
+    print(f"python {platform.python_version()} on {platform.system()} {platform.machine()}")
+    print("versions: " + ", ".join(versions))
+    print("Apple plugins: " + (", ".join(plugins) if plugins else "none installed (pip install 'jaxkv[metal]' or 'jaxkv[mps]')"))
+    backend = jax.default_backend()
+    devices = jax.devices()
+    print(f"backend {backend}; devices: {', '.join(f'{d} ({d.device_kind})' for d in devices)}")
+    support = backend_support(devices[0].platform if devices else backend)
+    print(f"cache modes on {backend}: " + ", ".join(f"{mode} {status}" for mode, status in support.items()))
 
 
 def _ppl(args) -> None:
