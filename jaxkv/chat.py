@@ -67,7 +67,7 @@ from jaxkv.errors import CacheFullError, JaxkvError
 from jaxkv.models import LoadedModel
 from jaxkv.models.config import LlamaConfig
 from jaxkv.models.llama import weight_shapes
-from jaxkv.sampling import Sampler, decode, prefill
+from jaxkv.sampling import Sampler, decode, prefill, text_stream
 
 FILE_FORMAT = "jaxkv-chat/1"
 _USER_SENTINEL = "JAXKV_SENTINEL_USER_8c1f"
@@ -305,19 +305,12 @@ class ChatSession:
         before = jax.tree.map(jnp.copy, self._cache)  # prefill and decode donate the cache
         try:
             cache, logits = prefill(model, self._cache, [ids])
-            stream = tok.decode_stream(ids)
-
-            def on_block(out):
-                piece = stream.push([int(i) for i in out[0] if i >= 0 and i != tok.eos_id])
-                if piece:
-                    on_text(piece)
-
+            on_block, flush = text_stream(tok, ids, on_text)
             result = decode(
                 model, cache, logits, max_new_tokens=[self.max_new_tokens], sampler=self.sampler, seed=self.seed,
-                step=self._step, block=self.block, eos_id=tok.eos_id, on_block=on_block if on_text else None,
+                step=self._step, block=self.block, eos_id=tok.eos_id, on_block=on_block,
             )
-            if on_text is not None and (tail := stream.flush()):
-                on_text(tail)
+            flush()
         except BaseException:
             self._cache = before
             raise

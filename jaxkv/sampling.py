@@ -58,7 +58,7 @@ class Sampler:
             raise JaxkvError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
 
     def get_next_tokens(self, logits, rng):
-        """int32[B] next tokens from float32 logits ``[B, V]`` and a PRNG key."""
+        """int32[B] next tokens from float32 logits ``[B, V]`` and a PRNG key (or one key per row, ``[B, 2]``)."""
         if self.temperature == 0:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         logits = logits.astype(jnp.float32) / self.temperature
@@ -72,7 +72,7 @@ class Sampler:
             kept = jnp.where(before < self.top_p, sorted_logits, jnp.inf)
             threshold = jnp.min(kept, axis=-1, keepdims=True)
             logits = jnp.where(logits < threshold, -jnp.inf, logits)
-        keys = jax.random.split(rng, logits.shape[0])
+        keys = rng if rng.ndim == 2 else jax.random.split(rng, logits.shape[0])
         return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
 
 
@@ -103,7 +103,8 @@ def _decode_block(graphdef, state, cache, loop, max_new, rng, *, sampler, block,
 
     def body(carry):
         i, cache, loop, out = carry
-        token = sampler.get_next_tokens(loop.logits, jax.random.fold_in(rng, loop.step))
+        fold = jax.random.fold_in if rng.ndim == 1 else jax.vmap(jax.random.fold_in, in_axes=(0, None))
+        token = sampler.get_next_tokens(loop.logits, fold(rng, loop.step))
         active = ~loop.done
         out = lax.dynamic_update_slice(out, jnp.where(active, token, -1)[:, None], (jnp.int32(0), i))
         generated = loop.generated + active
@@ -143,7 +144,7 @@ def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]]
       CacheFullError: a prompt longer than a full cache's ``max_len``.
     """
     spec = cache.spec
-    lengths = np.asarray(cache.length).astype(np.int64)
+    lengths = to_host(cache.length).astype(np.int64)
     remaining = np.array([len(p) for p in prompts], np.int64)
     if spec.token_limit is not None and np.any(lengths + remaining > spec.token_limit):
         worst = int(np.max(lengths + remaining))
@@ -233,7 +234,7 @@ def generate(
     *,
     max_new_tokens: int | Sequence[int],
     sampler: Sampler = Sampler(),
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     cache: CacheSpec | None = None,
     block: int = 32,
     eos_id: int | None = None,
@@ -248,7 +249,7 @@ def generate(
       model: a :class:`LoadedModel`.
       prompts: B non-empty lists of token ids.
       max_new_tokens: tokens to generate per row (one int for all rows, or B ints), >= 1.
-      sampler: the next-token rule; seed: PRNG seed (rows draw from split keys).
+      sampler: the next-token rule; seed: PRNG seed (rows draw from split keys), or B seeds (one per row).
       cache: the cache spec; None = a full fp32 cache of ``longest prompt + max_new_tokens``
         slots rounded up to a multiple of 256 (:func:`full_cache_len`).
       block: decode steps per compiled call (host sees tokens once per block).
@@ -291,7 +292,7 @@ def decode(
     *,
     max_new_tokens: Sequence[int],
     sampler: Sampler = Sampler(),
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     step: int = 0,
     block: int = 32,
     eos_id: int | None = None,
@@ -303,7 +304,7 @@ def decode(
       model: a :class:`LoadedModel`. cache: the prefilled :class:`KVCache` (B rows; consumed).
       logits: float32[B, V], the logits after each row's last appended token (from :func:`prefill`).
       max_new_tokens: B token budgets (>= 1).
-      sampler, seed: the next-token rule and PRNG seed; ``step`` is the position in the PRNG
+      sampler, seed: the next-token rule and PRNG seed (or B seeds, one per row); ``step`` is the position in the PRNG
         stream (continue a conversation with the previous call's ``step + tokens sampled``).
       block: decode steps per compiled call. eos_id: stop token (None = never stop on a token).
       on_block: called with each block's tokens, int32[B, block] (-1 = no token).
@@ -321,7 +322,7 @@ def decode(
         step=jnp.int32(step),
     )
     max_new = jnp.asarray(max_new_tokens, jnp.int32)
-    rng = jax.random.PRNGKey(seed)
+    rng = _prng_keys(seed, batch)
     t0 = time.perf_counter()
     compiled = _decode_block.lower(
         graphdef, state, cache, loop, max_new, rng, sampler=sampler, block=block, eos_id=eos_id
@@ -333,15 +334,15 @@ def decode(
     while True:
         t1 = time.perf_counter()
         cache, loop, out = compiled(state, cache, loop, max_new, rng)
-        out = np.asarray(out)
+        out = to_host(out)
         decode_s += time.perf_counter() - t1
         for row, toks in zip(ids, out):
             row.extend(int(i) for i in toks if i >= 0)
         if on_block is not None:
             on_block(out)
-        if bool(jnp.all(loop.done)):
+        if bool(np.all(to_host(loop.done))):
             break
-    reasons = [FINISH_REASONS[int(r)] for r in np.asarray(loop.reason)]
+    reasons = [FINISH_REASONS[int(r)] for r in to_host(loop.reason)]
     return BatchGeneration(
         token_ids=ids, finish_reasons=reasons, cache=cache, prefill_s=0.0, decode_s=decode_s, compile_s=compile_s
     )
@@ -398,19 +399,12 @@ def sample(
             raise JaxkvError("empty prompt and the tokenizer has no BOS token to start from")
         prompt_ids = [tok.bos_id]
     _check_tokens(prompt_ids, model.config.vocab_size)
-    stream = tok.decode_stream(prompt_ids)
-
-    def on_block(out):
-        piece = stream.push([int(i) for i in out[0] if i >= 0 and i != tok.eos_id])
-        if piece:
-            on_text(piece)
-
+    on_block, flush = text_stream(tok, prompt_ids, on_text)
     result = generate(
         model, [prompt_ids], max_new_tokens=max_new_tokens, sampler=sampler, seed=seed, cache=cache,
-        block=block, on_block=on_block if on_text is not None else None,
+        block=block, on_block=on_block,
     )
-    if on_text is not None and (tail := stream.flush()):
-        on_text(tail)
+    flush()
     ids, reason = result.token_ids[0], result.finish_reasons[0]
     return Generation(
         text=tok.decode(ids[:-1] if reason == "eos" else ids),
@@ -425,10 +419,53 @@ def sample(
     )
 
 
+def text_stream(tokenizer, context_ids, on_text: Callable[[str], None] | None):
+    """``(on_block, flush)`` that print row 0 of decode blocks as text through ``on_text``.
+
+    ``on_block`` is None when ``on_text`` is None; EOS is never printed; characters whose
+    UTF-8 bytes are incomplete wait for the next block (:meth:`Tokenizer.decode_stream`).
+    """
+    if on_text is None:
+        return None, lambda: None
+    stream = tokenizer.decode_stream(context_ids)
+
+    def on_block(out):
+        piece = stream.push([int(i) for i in out[0] if i >= 0 and i != tokenizer.eos_id])
+        if piece:
+            on_text(piece)
+
+    def flush():
+        if tail := stream.flush():
+            on_text(tail)
+
+    return on_block, flush
+
+
 def full_cache_len(n_tokens: int, step: int = 256) -> int:
     """Slots of a default full cache for ``n_tokens``: rounded up to a multiple of ``step`` so
     that prompts of similar length share one compiled decode step."""
     return step * -(-n_tokens // step)
+
+
+def to_host(x) -> np.ndarray:
+    """``x`` as a NumPy array on this host. A global array that spans other processes' devices
+    (several hosts after ``jax.distributed.initialize()``) is all-gathered first."""
+    if getattr(x, "is_fully_addressable", True) or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _prng_keys(seed, batch: int):
+    """One PRNG key for an int seed (rows draw from its split), or one key per row ``[B, 2]``
+    for B seeds (each row's draws then depend only on its own seed, not on its batch)."""
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+        return jax.random.PRNGKey(seed)
+    seeds = list(seed)
+    if len(seeds) != batch or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in seeds):
+        raise JaxkvError(f"seed: expected an integer or {batch} integers (one per row), got {seed!r}")
+    return jnp.stack([jax.random.PRNGKey(int(s)) for s in seeds])
 
 
 def _chunk_len(spec: CacheSpec, longest: int, chunk: int) -> int:
