@@ -188,7 +188,7 @@ class ChatSession:
             model = dataclasses.replace(model, tokenizer=tok)
         if model.tokenizer.chat_template is None:
             raise JaxkvError(
-                f"{model.tokenizer.name}: the model has no chat template; pass chat_template=... (--chat-template)"
+                f"{model.tokenizer.name}: the model has no chat template; give one with --chat-template JINJA|FILE (CLI) or chat_template=... (Python)"
             )
         if not isinstance(sampler, Sampler):
             raise JaxkvError(f"ChatSession: sampler must be a jaxkv.Sampler, got {type(sampler).__name__}")

@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxkv.cache.kv import KVCache
 
-GROUPS = ("sinks", "window", "residual", "codes", "scales_zeros", "bookkeeping")
+GROUPS = ("sinks", "window", "slots", "residual", "codes", "scales_zeros", "bookkeeping")
 
 
 def format_bytes(n: float) -> str:
@@ -73,7 +73,8 @@ def memory_report(cache: KVCache) -> MemoryReport:
 
     if cache.sink_k is not None:
         add("sinks", [cache.sink_k, cache.sink_v], cache.sink_pos)
-    add("residual" if spec.quantized else "window", [cache.ring_k, cache.ring_v], cache.ring_pos)
+    ring_group = "residual" if spec.quantized else "window" if spec.bounded else "slots"  # slots: a full cache
+    add(ring_group, [cache.ring_k, cache.ring_v], cache.ring_pos)
     pos_leaves = [cache.length, cache.ring_pos] + ([cache.sink_pos] if cache.sink_pos is not None else [])
     if cache.quant is not None:
         q = cache.quant

@@ -59,6 +59,10 @@ class CacheSpec:
     scale_dtype: str = "float16"
 
     def __post_init__(self):
+        if self.kv_quantize not in KV_MODES:
+            raise JaxkvError(f"CacheSpec.kv_quantize={self.kv_quantize!r}: expected one of {', '.join(KV_MODES)}")
+        if self.positions not in POSITION_MODES:
+            raise JaxkvError(f"CacheSpec.positions={self.positions!r}: expected 'absolute' or 'cache'")
         _check_int("sink", self.sink, 0)
         if self.window is None:
             if self.max_len is None:
@@ -68,10 +72,6 @@ class CacheSpec:
                 raise JaxkvError(f"CacheSpec.sink={self.sink} needs a window: pass window=W for a StreamingLLM cache")
         else:
             _check_int("window", self.window, 1)
-        if self.kv_quantize not in KV_MODES:
-            raise JaxkvError(f"CacheSpec.kv_quantize={self.kv_quantize!r}: expected one of {', '.join(KV_MODES)}")
-        if self.positions not in POSITION_MODES:
-            raise JaxkvError(f"CacheSpec.positions={self.positions!r}: expected 'absolute' or 'cache'")
         if self.scale_dtype not in SCALE_DTYPES:
             raise JaxkvError(f"CacheSpec.scale_dtype={self.scale_dtype!r}: expected one of {', '.join(SCALE_DTYPES)}")
         if self.quantized:
