@@ -65,11 +65,11 @@ class CacheSpec:
             raise JaxkvError(f"CacheSpec.positions={self.positions!r}: expected 'absolute' or 'cache'")
         _check_int("sink", self.sink, 0)
         if self.window is None:
+            if self.sink:
+                raise JaxkvError(f"CacheSpec.sink={self.sink} needs a window: pass window=W for a StreamingLLM cache")
             if self.max_len is None:
                 raise JaxkvError("CacheSpec: a full cache (window=None) needs max_len, the number of slots")
             _check_int("max_len", self.max_len, 1)
-            if self.sink:
-                raise JaxkvError(f"CacheSpec.sink={self.sink} needs a window: pass window=W for a StreamingLLM cache")
         else:
             _check_int("window", self.window, 1)
         if self.scale_dtype not in SCALE_DTYPES:
