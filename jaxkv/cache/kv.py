@@ -79,7 +79,12 @@ class ReadView(struct.PyTreeNode):
 
 @struct.dataclass
 class KVCache:
-    """The KV cache pytree (see the module docstring for the layout). Build with :meth:`create`."""
+    """The KV cache pytree (see the module docstring for the layout). Build with :meth:`create`.
+
+    ``batch_sharded`` (static) says the B axis is split over devices
+    (:func:`jaxkv.parallel.shard_cache` sets it): writes then update all rows at once
+    (``write_ring(batch_parallel=True)``) so each device writes only its own rows.
+    """
 
     spec: CacheSpec = struct.field(pytree_node=False)
     length: jax.Array
@@ -90,6 +95,7 @@ class KVCache:
     ring_v: jax.Array
     ring_pos: jax.Array
     quant: QuantRing | None
+    batch_sharded: bool = struct.field(pytree_node=False, default=False)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -200,7 +206,7 @@ class KVCache:
         start = (u0 - spec.residual) % spec.n_quant  # slot of the residual's first token
         count = jnp.where(flush, spec.residual, 0)
         gstart, gcount = start // g, count // g
-        tok = dict(batch_axis=1, slot_axis=3)
+        tok = dict(batch_axis=1, slot_axis=3, batch_parallel=self.batch_sharded)
         quant = QuantRing(
             k_codes=write_ring(q.k_codes, qk.codes, start, count, **tok),
             k_scale=write_ring(q.k_scale, qk.scale, gstart, gcount, **tok),
@@ -208,7 +214,7 @@ class KVCache:
             v_codes=write_ring(q.v_codes, qv.codes, start, count, **tok),
             v_scale=write_ring(q.v_scale, qv.scale, start, count, **tok),
             v_zero=write_ring(q.v_zero, qv.zero, start, count, **tok),
-            pos=write_ring(q.pos, self.ring_pos, start, count, batch_axis=0, slot_axis=1),
+            pos=write_ring(q.pos, self.ring_pos, start, count, batch_axis=0, slot_axis=1, batch_parallel=self.batch_sharded),
         )
         return self.replace(quant=quant, ring_pos=jnp.where(flush[:, None], -1, self.ring_pos))
 
@@ -272,7 +278,8 @@ class KVCache:
         chunk = k_new.shape[3]
         pos = self.query_positions(n, chunk)
         in_sink = self.length < spec.sink
-        kv = dict(batch_axis=1, slot_axis=3)
+        kv = dict(batch_axis=1, slot_axis=3, batch_parallel=self.batch_sharded)
+        pos_axes = dict(batch_axis=0, slot_axis=1, batch_parallel=self.batch_sharded)
         new = {}
         if spec.n_sink:
             ns = jnp.where(in_sink, n, 0)
@@ -280,14 +287,14 @@ class KVCache:
             new.update(
                 sink_k=write_ring(self.sink_k, k_new, start, ns, **kv),
                 sink_v=write_ring(self.sink_v, v_new, start, ns, **kv),
-                sink_pos=write_ring(self.sink_pos, pos, start, ns, batch_axis=0, slot_axis=1),
+                sink_pos=write_ring(self.sink_pos, pos, start, ns, **pos_axes),
             )
         nr = jnp.where(in_sink, 0, n)
         start = jnp.maximum(self.length - spec.sink, 0) % spec.n_ring
         new.update(
             ring_k=write_ring(self.ring_k, k_new, start, nr, **kv),
             ring_v=write_ring(self.ring_v, v_new, start, nr, **kv),
-            ring_pos=write_ring(self.ring_pos, pos, start, nr, batch_axis=0, slot_axis=1),
+            ring_pos=write_ring(self.ring_pos, pos, start, nr, **pos_axes),
         )
         return self.replace(length=self.length + n, **new)
 

@@ -51,7 +51,7 @@ def rank(spec: CacheSpec, q):
     return jnp.where(q < spec.sink, q, spec.sink + q - window_start(spec, q))
 
 
-def write_ring(buf, new, start, n, *, batch_axis: int, slot_axis: int):
+def write_ring(buf, new, start, n, *, batch_axis: int, slot_axis: int, batch_parallel: bool = False):
     """Write each row's first ``n[b]`` chunk entries into a ring at slots ``start[b], start[b]+1, ...`` (mod ring).
 
     Args:
@@ -66,6 +66,13 @@ def write_ring(buf, new, start, n, *, batch_axis: int, slot_axis: int):
       calls at exact in-range slots: the part up to the ring end, and the part that wraps
       to slot 0 (skipped statically when ``T == 1``). Slots not written keep their contents.
       No scatter, no reliance on index clamping.
+
+    ``batch_parallel=False`` (default) writes the rows one after another in a
+    ``lax.fori_loop``: no scatter (jax-metal safe), but a loop over a *sharded* batch axis
+    makes the SPMD partitioner all-gather the whole buffer. ``batch_parallel=True`` applies
+    the same row update under ``jax.vmap``, which lowers to a gather/scatter with batching
+    dimensions that every device runs on its own rows (no communication); use it when the
+    batch axis is sharded (:mod:`jaxkv.parallel`).
     """
     ring, chunk = buf.shape[slot_axis], new.shape[slot_axis]
     block = min(ring, chunk)
@@ -76,9 +83,7 @@ def write_ring(buf, new, start, n, *, batch_axis: int, slot_axis: int):
     mask_shape[slot_axis] = block
     j = lax.broadcasted_iota(jnp.int32, mask_shape, slot_axis)
 
-    def row_update(b, buf):
-        o, m = start[b], n[b]
-        row_new = lax.dynamic_slice_in_dim(padded, b, 1, batch_axis)
+    def row_update(buf, b, o, m, row_new):  # row_new: the padded chunk of row b, batch axis of size 1
 
         def put(buf, slot0, src0, valid):
             # block slot slot0 + j <- chunk entry src0 + j where valid, else keep the slot
@@ -100,7 +105,17 @@ def write_ring(buf, new, start, n, *, batch_axis: int, slot_axis: int):
             buf = put(buf, jnp.int32(0), jnp.minimum(e, block), j < m - e)
         return buf
 
-    return lax.fori_loop(0, start.shape[0], row_update, buf)
+    if batch_parallel:
+        def one_row(buf_row, new_row, o, m):  # the batch axis removed by vmap; restored as size 1
+            grow = lambda x: jnp.expand_dims(x, batch_axis)  # noqa: E731
+            return jnp.squeeze(row_update(grow(buf_row), jnp.int32(0), o, m, grow(new_row)), batch_axis)
+
+        return jax.vmap(one_row, in_axes=(batch_axis, batch_axis, 0, 0), out_axes=batch_axis)(buf, padded, start, n)
+    return lax.fori_loop(
+        0, start.shape[0],
+        lambda b, buf: row_update(buf, b, start[b], n[b], lax.dynamic_slice_in_dim(padded, b, 1, batch_axis)),
+        buf,
+    )
 
 
 def plan_chunk(spec: CacheSpec, length: np.ndarray, remaining: np.ndarray, chunk: int) -> np.ndarray:
