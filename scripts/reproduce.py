@@ -164,7 +164,7 @@ def paired(nll_a, nll_b, idx) -> dict:
     return dict(ratio=math.exp(m), lo=math.exp(m - 1.96 * se), hi=math.exp(m + 1.96 * se), n=int(len(d)))
 
 
-def recompute_at(model, ids, positions, *, window: int, batch: int) -> "np.ndarray":
+def recompute_at(model, ids, positions, *, window: int, batch: int):
     """The library's recomputation oracle (``recompute_contexts`` + ``_recompute_batch``, the code behind
     :func:`jaxkv.eval.recompute_nll`) evaluated only at query ``positions`` (nll of ``ids[i + 1]``)."""
     import jax.numpy as jnp
@@ -647,8 +647,6 @@ def mb(b) -> str:
 
 
 def render(res, made: list[str]) -> str:
-    import numpy as np
-
     cfg = res["config"]
     m = res["machine"]
     cl = claims(res)
@@ -1039,7 +1037,7 @@ def section4_render(res) -> str:
                 e = t[f"{n}/{mode}"]
                 s = f"{mb(e['bytes'])} ({bf / e['bytes']:.2f}x)"
                 if "live" in e:
-                    s += f" †"
+                    s += " †"
                 cells.append(s)
             L.append(f"| {n} | " + " | ".join(cells) + " |")
         L.append("")

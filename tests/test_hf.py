@@ -269,7 +269,7 @@ def test_stories260k_resaved_in_hf_layout_matches_bin_loader(tmp_path):
 
     w, cfg = read_llama2c_raw(STORIES_BIN)
     n_layers, d, _ = w["wq"].shape
-    n, k, h = cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"]
+    n, k = cfg["n_heads"], cfg["n_kv_heads"]
     tensors = {"model.embed_tokens.weight": w["embed"], "model.norm.weight": w["final_norm"]}
     for i in range(n_layers):
         p = f"model.layers.{i}."

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import STORIES_BIN, TEXT, TOK512_BIN, TOK512_MODEL, SMOLLM2
+from conftest import STORIES_BIN, TEXT, TOK512_BIN, TOK512_MODEL
 from reference import RefDecoder
 from jaxkv import CacheSpec, KVCache, forward, sample
 

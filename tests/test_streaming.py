@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import STORIES_BIN, TOK512_MODEL, ref_kwargs, tiny_model
+from conftest import ref_kwargs, tiny_model
 from reference import RefDecoder
-from jaxkv import CacheSpec, CacheFullError, JaxkvError, KVCache, forward, memory_report, prefill, sample
+from jaxkv import CacheSpec, CacheFullError, JaxkvError, KVCache, forward, prefill, sample
 from jaxkv.cache.ring import plan_chunk
 from jaxkv.models import LoadedModel
 

@@ -9,7 +9,6 @@ exactly its own retained set and chunked prefill equals token-by-token decode.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jaxkv.cache.kv import ReadView, dequantized
