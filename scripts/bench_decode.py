@@ -4,6 +4,7 @@ by cache mode and generated length, beside a memory-bandwidth roofline.
     python scripts/bench_decode.py --model ../shared/data/models/stories260K.bin \
         --modes full,sink4+252,sink4+252:int8,sink4+256:int4 --lengths 256,1024,4096 --json out.json --plot out.png
     python scripts/bench_decode.py --model synthetic:L=4,D=256,N=8,K=2,F=688,V=4096 --lengths 256,1024
+    python scripts/bench_decode.py --model preset:smollm2-135m --lengths 256,1024   # configs/ presets
 
 Decode ms/token at length n is the mean time per token of the decode blocks that end
 within [n - window, n] (block = 64 tokens), measured in one run to the longest length.
@@ -42,6 +43,9 @@ def parse_mode(text: str, n_max: int) -> jaxkv.CacheSpec:
 
 
 def load(model: str) -> LoadedModel:
+    if model.startswith("preset:"):  # random weights in a named shape from configs/
+        config = LlamaConfig.from_preset(model.removeprefix("preset:"))
+        return LoadedModel(config=config, model=Llama(config, rngs=nnx.Rngs(0)), tokenizer=None)
     if model.startswith("synthetic:"):
         fields = dict(kv.split("=") for kv in model.removeprefix("synthetic:").split(","))
         names = dict(L="n_layers", D="dim", N="n_heads", K="n_kv_heads", F="hidden_dim", V="vocab_size")
@@ -106,7 +110,7 @@ def bench(model: LoadedModel, spec: jaxkv.CacheSpec, lengths, prompt_len: int, b
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="model file, synthetic:L=..,D=..,N=..,K=..,F=..,V=.., or default")
+    p.add_argument("--model", default=None, help="model file, preset:NAME (configs/), synthetic:L=..,D=..,N=..,K=..,F=..,V=.., or default")
     p.add_argument("--modes", default="full,sink4+252,sink4+256:int8,sink4+256:int4")
     p.add_argument("--lengths", default="256,1024,4096")
     p.add_argument("--prompt-tokens", type=int, default=32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import STORIES_BIN, TEXT, TOK512_BIN, TOK512_MODEL
+from conftest import SMOLLM2, STORIES_BIN, TEXT, TOK512_BIN, TOK512_MODEL
 from reference import RefDecoder
 from jaxkv import CacheSpec, KVCache, forward, sample
 
@@ -114,3 +115,23 @@ def test_smollm2_chatml_golden(golden, smollm2):
     assert ids == g["prompt_token_ids"]
     out = sample(smollm2, ids, max_new_tokens=12)
     assert out.text.startswith(g["expected_text_prefix"]), out.text
+
+
+def test_config_presets_match_the_real_checkpoints(stories, smollm2_config):
+    from jaxkv import JaxkvError, LlamaConfig
+
+    preset = LlamaConfig.from_preset("stories260K")
+    assert preset == dataclasses.replace(stories.config, name="stories260K")
+    assert LlamaConfig.from_preset("smollm2-135m") == dataclasses.replace(smollm2_config, name="smollm2-135m", norm_eps=1e-5)
+    assert LlamaConfig.from_preset("llama-tiny").n_kv_heads == 2
+    with pytest.raises(JaxkvError, match="llama-tiny"):
+        LlamaConfig.from_preset("no-such-model")
+
+
+@pytest.fixture(scope="module")
+def smollm2_config():
+    """SmolLM2's config from its GGUF metadata alone (no weights loaded)."""
+    from jaxkv.io.gguf_loader import _metadata, _open
+    from jaxkv.models.config import LlamaConfig
+
+    return LlamaConfig.from_gguf(_metadata(_open(SMOLLM2, "smollm2"), "smollm2"), tie_embeddings=True, name="x")

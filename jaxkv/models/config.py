@@ -212,6 +212,27 @@ class LlamaConfig:
             name=name,
         )
 
+    @classmethod
+    def from_preset(cls, name: str) -> "LlamaConfig":
+        """A named preset from the repository's ``configs/`` folder (e.g. ``"smollm2-135m"``,
+        ``"stories260K"``, ``"llama-tiny"``), or a path to such a JSON file.
+
+        Raises:
+          JaxkvError: an unknown name (the message lists the presets) or a bad file.
+        """
+        import json
+        import pathlib
+
+        folder = pathlib.Path(__file__).resolve().parents[2] / "configs"
+        path = pathlib.Path(name) if name.endswith(".json") else folder / f"{name}.json"
+        if not path.is_file():
+            known = sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
+            raise JaxkvError(f"no config preset {name!r}: expected one of {', '.join(known) or '(none found)'} or a .json path")
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as e:
+            raise JaxkvError(f"{path}: not a LlamaConfig preset: {e}") from None
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token occupies in an fp32 cache (all layers)."""
