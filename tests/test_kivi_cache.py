@@ -25,9 +25,9 @@ from flax import nnx
 
 from conftest import REPO, ref_kwargs, tiny_model
 from reference import RefDecoder
+from test_streaming import chunked as streaming_chunked
 from jaxkv import CacheSpec, JaxkvError, KVCache, forward, prefill
 from jaxkv.cache import kivi
-from jaxkv.cache.ring import plan_chunk
 from jaxkv.models import LoadedModel
 
 _mod = importlib.util.spec_from_file_location("kivi_tables", REPO / "scripts" / "kivi_tables.py")
@@ -80,19 +80,10 @@ def decode(spec, tokens):
 
 
 def chunked(spec, tokens, chunk):
-    """Logits of every token when the sequence is streamed in chunks planned by ``ring.plan_chunk``."""
-    gd, st = nnx.split(tiny_model()[0])
-    cache = new_cache(spec)
-    rows, sizes, i = [], [], 0
-    while i < len(tokens):
-        n = int(plan_chunk(spec, np.asarray(cache.length), np.asarray([len(tokens) - i]), chunk)[0])
-        buf = np.zeros((1, chunk), np.int32)
-        buf[0, :n] = tokens[i : i + n]
-        logits, cache = STEP(gd, st, jnp.asarray(buf), jnp.asarray([n], jnp.int32), cache)
-        rows.append(np.asarray(logits[0, :n]))
-        sizes.append(n)
-        i += n
-    return np.concatenate(rows), sizes, cache
+    """Logits of every token streamed in planned chunks (test_streaming's helper), the chunk sizes, the cache."""
+    sizes = []
+    logits, cache = streaming_chunked(spec, tokens, chunk, sizes=sizes)
+    return logits, sizes, cache
 
 
 def tokens_for(n, seed=0):

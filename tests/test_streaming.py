@@ -44,8 +44,9 @@ def decode(spec, tokens, model=None):
     return np.stack(rows), cache
 
 
-def chunked(spec, tokens, chunk, model=None, cache=None):
-    """Logits of every token when the sequence is streamed in chunks of up to ``chunk``."""
+def chunked(spec, tokens, chunk, model=None, cache=None, sizes=None):
+    """Logits of every token when the sequence is streamed in chunks of up to ``chunk``
+    (planned by ``ring.plan_chunk``); each chunk's token count is appended to ``sizes`` if given."""
     model = model or tiny_model()[0]
     gd, st = nnx.split(model)
     cache = cache if cache is not None else new_cache(spec, model=model)
@@ -56,6 +57,8 @@ def chunked(spec, tokens, chunk, model=None, cache=None):
         buf[0, :n] = tokens[i : i + n]
         logits, cache = STEP(gd, st, jnp.asarray(buf), jnp.asarray([n], jnp.int32), cache)
         rows.append(np.asarray(logits[0, :n]))
+        if sizes is not None:
+            sizes.append(n)
         i += n
     return np.concatenate(rows), cache
 
