@@ -69,7 +69,7 @@ from jaxkv.models.config import LlamaConfig
 from jaxkv.models.llama import weight_shapes
 from jaxkv.sampling import Sampler, decode, prefill, text_stream
 
-FILE_FORMAT = "jaxkv-chat/1"
+FILE_FORMAT = "jaxkv-chat/2"  # 2: KIVI codes in the split-half bit layout
 _USER_SENTINEL = "JAXKV_SENTINEL_USER_8c1f"
 _REPLY_SENTINEL = "JAXKV_SENTINEL_REPLY_8c1f"
 _SAMPLED_ELEMENTS = 4096  # elements hashed per non-embedding weight in the model fingerprint

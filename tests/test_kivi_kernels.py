@@ -84,12 +84,16 @@ def ref_dequantize(q, scale, zero, *, axis, dtype=np.float32):
     return np.clip(x, -m, m).astype(odt)
 
 
+# split-half layout: channel block j (of H / cpb contiguous channels) sits at this bit offset
+BLOCK_OFFSETS = {2: [0, 4], 4: [0, 4, 2, 6], 1: [0]}
+
+
 def ref_pack(codes: np.ndarray, bits: int) -> np.ndarray:
     cpb = 8 // bits
-    out = np.zeros(codes.shape[:-1] + (codes.shape[-1] // cpb,), np.uint8)
-    for i in range(out.shape[-1]):
-        for j in range(cpb):
-            out[..., i] |= (codes[..., i * cpb + j] << (j * bits)).astype(np.uint8)
+    n = codes.shape[-1] // cpb
+    out = np.zeros(codes.shape[:-1] + (n,), np.uint8)
+    for c in range(codes.shape[-1]):
+        out[..., c % n] |= (codes[..., c] << BLOCK_OFFSETS[cpb][c // n]).astype(np.uint8)
     return out
 
 
@@ -401,24 +405,24 @@ def test_packed_bytes_halve_and_quarter():
 @pytest.mark.parametrize("bits", BITS)
 def test_pack_unpack_exhaustive(bits):
     cpb = 8 // bits
-    # Every combination of cpb codes: exactly the 256 byte values, each once.
-    combos = np.array(list(itertools.product(range(2**bits), repeat=cpb)), np.uint8)
-    codes = combos.reshape(256 // 4, 4 * cpb)  # [64, H] with H = 4 bytes' worth
-    packed = np.asarray(kivi.pack_codes(codes, bits=bits))
-    assert packed.shape == (64, 4) and packed.dtype == np.uint8
-    assert sorted(packed.ravel().tolist()) == list(range(256))
-    np.testing.assert_array_equal(packed, ref_pack(codes, bits))
-    np.testing.assert_array_equal(np.asarray(kivi.unpack_codes(packed, bits=bits)), codes)
+    packed = np.arange(256, dtype=np.uint8).reshape(64, 4)  # every byte value once, H = 4 * cpb
+    codes = np.asarray(kivi.unpack_codes(packed, bits=bits))
+    assert codes.shape == (64, 4 * cpb) and codes.dtype == np.uint8 and int(codes.max()) == 2**bits - 1
+    np.testing.assert_array_equal(ref_pack(codes, bits), packed)  # the codes sit where the layout says
+    np.testing.assert_array_equal(np.asarray(kivi.pack_codes(codes, bits=bits)), packed)
+    wide = np.random.default_rng(bits).integers(0, 2**bits, (3, 5, 128)).astype(np.uint8)
+    np.testing.assert_array_equal(np.asarray(kivi.pack_codes(wide, bits=bits)), ref_pack(wide, bits))
+    np.testing.assert_array_equal(np.asarray(kivi.unpack_codes(kivi.pack_codes(wide, bits=bits), bits=bits)), wide)
 
 
-def test_bit_layout_first_code_in_lowest_bits():
-    four = np.array([[1, 2]], np.uint8)
-    assert np.asarray(kivi.pack_codes(four, bits=4)).tolist() == [[0x21]]
-    two = np.array([[1, 2, 3, 0]], np.uint8)
-    assert np.asarray(kivi.pack_codes(two, bits=2)).tolist() == [[0b00111001]]
+def test_bit_layout_split_halves():
+    four = np.array([[1, 2, 3, 4]], np.uint8)  # int4: c[i] | c[i + H/2] << 4
+    assert np.asarray(kivi.pack_codes(four, bits=4)).tolist() == [[0x31, 0x42]]
+    two = np.array([[1, 2, 3, 0]], np.uint8)  # int2: c0 | c2 << 2 | c1 << 4 | c3 << 6
+    assert np.asarray(kivi.pack_codes(two, bits=2)).tolist() == [[0b00101101]]
     eight = np.array([[7, 200]], np.uint8)
     assert np.asarray(kivi.pack_codes(eight, bits=8)).tolist() == [[7, 200]]
-    assert np.asarray(kivi.unpack_codes(np.array([[0xA5]], np.uint8), bits=4)).tolist() == [[5, 10]]
+    assert np.asarray(kivi.unpack_codes(np.array([[0xA5, 0x3C]], np.uint8), bits=4)).tolist() == [[5, 12, 10, 3]]
 
 
 # -------------------------------------------------------------------------- errors

@@ -10,6 +10,7 @@ exactly its own retained set and chunked prefill equals token-by-token decode.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from jaxkv.cache.kv import ReadView, dequantized
 from jaxkv.cache.ring import visible
@@ -64,10 +65,17 @@ def attend(spec: CacheSpec, view: ReadView, layer: dict, q, k, v, *, theta: floa
     q_sink = apply_rope(qg, view.q_rot_sink[:, :, None, None], theta=theta) if cache_mode else q_main
     scale = 1.0 / jnp.sqrt(jnp.float32(h))
 
+    # queries as [B, K, G*T, H]; the keys are the dot's first operand so XLA reads the
+    # cache in its stored [S, H] layout (a queries-first dot makes XLA CPU transpose
+    # every key segment, i.e. copy the whole key cache, at every step).
+    q_main = jnp.transpose(q_main, (0, 2, 3, 1, 4)).reshape(b, n_kv, group * t, h)
+    q_sink = jnp.transpose(q_sink, (0, 2, 3, 1, 4)).reshape(b, n_kv, group * t, h) if cache_mode else q_main
+    dims = (((3,), (3,)), ((0, 1), (0, 1)))
     scores = []
     for keys, _, pos, is_sink in segments:
         qq = q_sink if is_sink else q_main
-        s = jnp.einsum("btkgh,bksh->bkgts", qq, keys.astype(dtype), preferred_element_type=jnp.float32) * scale
+        s = lax.dot_general(keys.astype(dtype), qq, dims, preferred_element_type=jnp.float32)  # [B, K, S, G*T]
+        s = jnp.swapaxes(s, 2, 3).reshape(b, n_kv, group, t, -1) * scale
         mask = visible(spec, view.q_pos[:, :, None], pos[:, None, :])  # [B, T, S]
         scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
     s = jnp.concatenate(scores, axis=-1)
