@@ -8,8 +8,6 @@ to a handful so every jitted kernel compiles once per static configuration.
 
 from __future__ import annotations
 
-import itertools
-
 import chex
 import hypothesis
 import hypothesis.extra.numpy as hnp
@@ -227,6 +225,25 @@ def test_one_core_for_both_axes():
     np.testing.assert_array_equal(np.asarray(per_channel.zero), np.asarray(keys.zero))
     back = kivi.dequantize_affine(per_token, bits=4, axis=-1)
     np.testing.assert_array_equal(np.asarray(back), np.asarray(kivi.dequantize_values(vals, bits=4)))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_channel_blocks_concatenate_to_the_array(bits):
+    """``blocks=True`` (what attention contracts) is the dequantised array split along H."""
+    x = normal_with_outliers(7, (2, 32, 16))
+    cpb = 8 // bits
+    cases = [
+        (kivi.quantize_keys(x, bits=bits, group_size=G), dict(axis=-2, group_size=G), cpb),
+        (kivi.quantize_affine(x, bits=bits, axis=-1), dict(axis=-1), cpb),  # values: one group over H
+        (kivi.quantize_affine(x, bits=bits, axis=-1, group_size=4), dict(axis=-1, group_size=4), cpb),
+        # groups of 8 along H straddle int2's 4-channel blocks: one block, the unpacked array
+        (kivi.quantize_affine(x, bits=bits, axis=-1, group_size=8), dict(axis=-1, group_size=8), 1 if bits == 2 else cpb),
+    ]
+    for qt, kw, n_blocks in cases:
+        whole = np.asarray(kivi.dequantize_affine(qt, bits=bits, **kw))
+        blocks = kivi.dequantize_affine(qt, bits=bits, blocks=True, **kw)
+        assert len(blocks) == n_blocks and all(b.shape == x.shape[:-1] + (16 // n_blocks,) for b in blocks)
+        np.testing.assert_array_equal(np.concatenate([np.asarray(b) for b in blocks], axis=-1), whole)
 
 
 # ------------------------------------------------------------------- hypothesis

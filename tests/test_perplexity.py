@@ -110,7 +110,10 @@ def test_chunked_equals_token_by_token_across_wraps(spec, chunk):
     got = token_nll(loaded, ids, cache=spec, chunk=chunk)
     if hasattr(_nll_chunk, "_cache_size"):  # sink chunk, full chunks, wraps and the tail: one compile
         assert _nll_chunk._cache_size() - before <= 1
-    np.testing.assert_allclose(got, one, atol=1e-5, rtol=0)
+    # KIVI int4 scores are sums over channel blocks (jaxkv.cache.attention); the chunked and the
+    # one-token programs contract them with different dot kernels, whose float32 rounding shows
+    # at up to 4.9e-5 nats here: the 1e-4 bound of the KIVI reference tests (test_kivi_cache).
+    np.testing.assert_allclose(got, one, atol=1e-4 if spec.quantized else 1e-5, rtol=0)
     # the bounded cache really forgets: it equals the full cache until the first eviction
     # (KIVI: the first flush), and differs after it
     full = one_pass_nll(loaded, ids)

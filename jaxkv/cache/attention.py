@@ -14,7 +14,7 @@ from jax import lax
 
 from jaxkv.cache.kv import ReadView, dequantized
 from jaxkv.cache.ring import visible
-from jaxkv.cache.rope import apply_rope
+from jaxkv.cache.rope import apply_rope, rope_blocks
 from jaxkv.cache.spec import CacheSpec
 
 
@@ -41,23 +41,31 @@ def attend(spec: CacheSpec, view: ReadView, layer: dict, q, k, v, *, theta: floa
     cache_mode = spec.positions == "cache"
     shift = view.k_shift[:, None, None]
 
-    def rotate_keys(keys, pos):  # keys [B, K, S, H], pos int32[B, S]
-        return apply_rope(keys, (pos[:, None, :] - shift), theta=theta) if cache_mode else keys
+    def rotate(blocks, pos):  # blocks: channel blocks of keys [B, K, S, H/n]; pos int32[B, 1, S]
+        if len(blocks) == 1:  # split into halves: rotated keys are never concatenated
+            half = blocks[0].shape[-1] // 2
+            blocks = [blocks[0][..., :half], blocks[0][..., half:]]
+        return rope_blocks(blocks, pos, theta=theta)
+
+    def rotate_keys(blocks, pos):  # pos int32[B, S]: window keys at their rank (cache mode)
+        return rotate(blocks, pos[:, None, :] - shift) if cache_mode else blocks
 
     k_store = k if cache_mode else apply_rope(k, view.q_pos[:, None, :], theta=theta)
 
-    # segments: (keys [B,K,S,H], values, positions [B,S], is_sink)
+    # segments: (key blocks [B,K,S,H/n], value blocks [B,K,S,H/m], positions [B,S], is_sink).
+    # A segment is a list of channel blocks (KIVI int4/int2: one per packed bit field) so that
+    # no dequantised or rotated segment is ever concatenated along H.
     segments = []
     if view.sink_pos is not None:
-        sk = layer["sink_k"].astype(dtype)
+        sk = [layer["sink_k"].astype(dtype)]
         if cache_mode:  # a sink's rank is its position
-            sk = apply_rope(sk, view.sink_pos[:, None, :], theta=theta)
-        segments.append((sk, layer["sink_v"], view.sink_pos, True))
+            sk = rotate(sk, view.sink_pos[:, None, :])
+        segments.append((sk, [layer["sink_v"]], view.sink_pos, True))
     if view.quant_pos is not None:
         qk, qv = dequantized(spec, layer, dtype)
         segments.append((rotate_keys(qk, view.quant_pos), qv, view.quant_pos, False))
-    segments.append((rotate_keys(layer["ring_k"].astype(dtype), view.ring_pos), layer["ring_v"], view.ring_pos, False))
-    segments.append((rotate_keys(k_store, view.q_pos), v, view.q_pos, False))
+    segments.append((rotate_keys([layer["ring_k"].astype(dtype)], view.ring_pos), [layer["ring_v"]], view.ring_pos, False))
+    segments.append((rotate_keys([k_store], view.q_pos), [v], view.q_pos, False))
 
     group = n_heads // n_kv
     qg = q.reshape(b, t, n_kv, group, h)
@@ -74,7 +82,11 @@ def attend(spec: CacheSpec, view: ReadView, layer: dict, q, k, v, *, theta: floa
     scores = []
     for keys, _, pos, is_sink in segments:
         qq = q_sink if is_sink else q_main
-        s = lax.dot_general(keys.astype(dtype), qq, dims, preferred_element_type=jnp.float32)  # [B, K, S, G*T]
+        width = keys[0].shape[-1]
+        s = sum(
+            lax.dot_general(block.astype(dtype), qq[..., j * width : (j + 1) * width], dims, preferred_element_type=jnp.float32)
+            for j, block in enumerate(keys)
+        )  # [B, K, S, G*T]
         s = jnp.swapaxes(s, 2, 3).reshape(b, n_kv, group, t, -1) * scale
         mask = visible(spec, view.q_pos[:, :, None], pos[:, None, :])  # [B, T, S]
         scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
@@ -87,12 +99,14 @@ def attend(spec: CacheSpec, view: ReadView, layer: dict, q, k, v, *, theta: floa
 
     out = jnp.zeros((b, n_kv, group, t, h), jnp.float32)
     offset = 0
-    for keys, values, _, _ in segments:
-        size = keys.shape[2]
-        out += jnp.einsum(
-            "bkgts,bksh->bkgth", p[..., offset : offset + size].astype(dtype), values.astype(dtype),
-            preferred_element_type=jnp.float32,
-        )
+    for _, values, pos, _ in segments:
+        size = pos.shape[1]
+        ps = p[..., offset : offset + size].astype(dtype)
+        parts = [
+            jnp.einsum("bkgts,bksh->bkgth", ps, block.astype(dtype), preferred_element_type=jnp.float32)
+            for block in values
+        ]
+        out += jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
         offset += size
     out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n_heads, h).astype(dtype)
     return out, k_store, v

@@ -80,12 +80,13 @@ goes to the low bits and the second half to the high bits, recursively::
     int4: packed[..., i] = c[i] | c[i + H/2] << 4                                  i < H/2
     int2: packed[..., i] = c[i] | c[i + H/2] << 2 | c[i + H/4] << 4 | c[i + 3H/4] << 6    i < H/4
 
-int8 is the identity. Unpacking is one or two ``concatenate([p & mask, p >> shift])``
-along H: each output channel block is contiguous, so XLA emits it as a vectorised loop
-fused with the dequantisation (an interleaved layout, ``c[2i] | c[2i+1] << 4``, needs a
-stride-``cpb`` stack that XLA CPU runs ~3x slower; llama.cpp's Q4_0 blocks split halves
-the same way). Only shifts, masks, ORs and concatenations are used (no popcnt/clz, no
-scatter, no unsigned
+int8 is the identity. Each bit field of a byte is thus a contiguous block of H/cpb
+channels: :func:`unpack_codes` is one or two ``concatenate([p & mask, p >> shift])``
+along H, and :func:`dequantize_affine` with ``blocks=True`` dequantises each block as
+its own elementwise loop (exact float32 ``floor`` arithmetic, which XLA CPU vectorises
+better than byte shifts), never concatenating them: attention contracts block by block.
+llama.cpp's Q4_0 blocks split halves the same way. Only shifts, masks, ORs, floors and
+concatenations are used (no popcnt/clz, no scatter, no unsigned
 *index* dtypes; ``uint8`` is a storage dtype only), per the jax-metal hazards of
 DESIGN.md §4.
 
@@ -248,12 +249,29 @@ def _pack(codes: jax.Array, bits: int) -> jax.Array:
     return codes
 
 
-def _unpack(packed: jax.Array, bits: int) -> jax.Array:
-    width = 8
-    while width > bits:  # the low bits are the first half of H, the high bits the second
+def _planes(packed: jax.Array, bits: int) -> list[jax.Array]:
+    """The ``cpb`` contiguous channel blocks ``uint8[..., H/cpb]`` of packed codes, in channel order."""
+    planes, width = [packed], 8
+    while width > bits:  # the low bits hold the first half of the channels, the high bits the second
         width //= 2
-        packed = jnp.concatenate([packed & ((1 << width) - 1), packed >> width], axis=-1)
-    return packed
+        planes = [x & ((1 << width) - 1) for x in planes] + [x >> width for x in planes]
+    return planes
+
+
+def _planes_f32(packed: jax.Array, bits: int) -> list[jax.Array]:
+    """:func:`_planes` as exact float32 (``hi = floor(x / 2**w)``, ``lo = x - 2**w * hi``):
+    XLA CPU vectorises this float arithmetic better than byte shifts and masks."""
+    planes, width = [packed.astype(jnp.float32)], 8
+    while width > bits:
+        width //= 2
+        high = [jnp.floor(x * np.float32(1.0 / (1 << width))) for x in planes]
+        planes = [x - np.float32(1 << width) * hi for x, hi in zip(planes, high)] + high
+    return planes
+
+
+def _unpack(packed: jax.Array, bits: int) -> jax.Array:
+    planes = _planes(packed, bits)
+    return jnp.concatenate(planes, axis=-1) if len(planes) > 1 else packed
 
 
 @functools.partial(jax.jit, static_argnames=("bits",))
@@ -400,7 +418,7 @@ def quantize_affine(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "axis", "group_size", "dtype"))
+@functools.partial(jax.jit, static_argnames=("bits", "axis", "group_size", "dtype", "blocks"))
 def dequantize_affine(
     qt: QuantizedTensor,
     *,
@@ -408,7 +426,8 @@ def dequantize_affine(
     axis: int,
     group_size: int | None = None,
     dtype: Any = jnp.float32,
-) -> jax.Array:
+    blocks: bool = False,
+) -> jax.Array | list[jax.Array]:
     """Inverse of :func:`quantize_affine`: ``x' = q * scale + zero`` in float32, cast last.
 
     Args:
@@ -418,8 +437,14 @@ def dequantize_affine(
       dtype: output dtype, normally the query's (float16, bfloat16 or float32; static).
         Values beyond its finite range saturate to +-max (never inf).
 
+      blocks: return the channel blocks instead of one array (static): a list of 1 or
+        ``cpb`` arrays ``dtype[..., H / len]`` whose concatenation along H is the array.
+        Attention contracts each block on its own (:mod:`jaxkv.cache.attention`), which
+        keeps every XLA fusion a contiguous elementwise loop (on XLA CPU, dequantising
+        int4 keys into one concatenated array and attending took 2-4x as long).
+
     Returns:
-      ``dtype[..., H]``, the shape of the quantised input.
+      ``dtype[..., H]``, the shape of the quantised input (or its blocks, see ``blocks``).
 
     Raises:
       JaxkvError: ``bits`` not in {8, 4, 2}; ``group_size`` inconsistent with the
@@ -431,32 +456,53 @@ def dequantize_affine(
     chex.assert_type(codes, jnp.uint8)
     chex.assert_type([scale, zero], float)
     chex.assert_equal_shape([scale, zero])
-    q = _unpack(codes, bits)
-    ax = _normalise_axis(axis, q.ndim)
-    chex.assert_rank(scale, q.ndim)
+    shape = codes.shape[:-1] + (codes.shape[-1] * codes_per_byte(bits),)
+    ax = _normalise_axis(axis, len(shape))
+    chex.assert_rank(scale, len(shape))
     n = scale.shape[ax]
-    if n < 1 or q.shape[ax] % n != 0:
-        raise JaxkvError(f"scale has {n} groups along axis {axis}, which does not divide {q.shape[ax]}")
-    g = q.shape[ax] // n
+    if n < 1 or shape[ax] % n != 0:
+        raise JaxkvError(f"scale has {n} groups along axis {axis}, which does not divide {shape[ax]}")
+    g = shape[ax] // n
     if group_size is not None and group_size != g:
         raise JaxkvError(
-            f"group_size={group_size!r} does not match the codes: {q.shape[ax]} elements "
+            f"group_size={group_size!r} does not match the codes: {shape[ax]} elements "
             f"in {n} groups along axis {axis} (check bits={bits} and group_size)"
         )
-    chex.assert_shape(scale, q.shape[:ax] + (n,) + q.shape[ax + 1 :])
+    chex.assert_shape(scale, shape[:ax] + (n,) + shape[ax + 1 :])
+    s, z = scale.astype(jnp.float32), zero.astype(jnp.float32)
+    last = ax == len(shape) - 1
+    planes = _planes_f32(codes, bits)
+    hb = codes.shape[-1]  # channels per plane
+    if last and n > 1 and hb % g:  # groups along H straddle the planes: dequantise unpacked codes
+        planes, hb = [_unpack(codes, bits).astype(jnp.float32)], shape[-1]
 
-    grouped = q.astype(jnp.float32).reshape(q.shape[:ax] + (n, g) + q.shape[ax + 1 :])
-    s = jnp.expand_dims(scale.astype(jnp.float32), ax + 1)
-    z = jnp.expand_dims(zero.astype(jnp.float32), ax + 1)
-    if scale.dtype == jnp.float16:  # |q * scale + zero| <= 256 * 65504: float32 cannot overflow
-        x = grouped * s + z
-    else:
-        x = _dequant_f32(grouped, s, z, 2**bits - 1)
-    x = x.reshape(q.shape)
-    if odt != jnp.float32:
-        omax = np.float32(jnp.finfo(odt).max)
-        x = jnp.clip(x, -omax, omax)
-    return x.astype(odt)
+    def dequant_block(j: int, plane: jax.Array) -> jax.Array:
+        # channel block j: [j * hb, (j + 1) * hb), dequantised alone (one contiguous
+        # elementwise loop from the packed bytes, which XLA fuses with the unpacking)
+        if not last:
+            sj, zj, nj = s[..., j * hb : (j + 1) * hb], z[..., j * hb : (j + 1) * hb], n
+        elif n == 1:
+            sj, zj, nj = s, z, 1
+        else:
+            sj, zj, nj = s[..., j * hb // g : (j + 1) * hb // g], z[..., j * hb // g : (j + 1) * hb // g], hb // g
+        grouped = plane.reshape(plane.shape[:ax] + (nj, -1) + plane.shape[ax + 1 :])
+        sj, zj = jnp.expand_dims(sj, ax + 1), jnp.expand_dims(zj, ax + 1)
+        if scale.dtype == jnp.float16:  # |q * scale + zero| <= 256 * 65504: float32 cannot overflow
+            x = grouped * sj + zj
+        else:
+            x = _dequant_f32(grouped, sj, zj, 2**bits - 1)
+        return x.reshape(plane.shape)
+
+    def cast(x: jax.Array) -> jax.Array:
+        if odt != jnp.float32:
+            omax = np.float32(jnp.finfo(odt).max)
+            x = jnp.clip(x, -omax, omax)
+        return x.astype(odt)
+
+    out = [cast(dequant_block(j, plane)) for j, plane in enumerate(planes)]
+    if blocks:
+        return out
+    return jnp.concatenate(out, axis=-1) if len(out) > 1 else out[0]
 
 
 # ------------------------------------------------------------------ KIVI wrappers
@@ -488,11 +534,12 @@ def quantize_keys(
     return QuantizedKeys(*qt)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_size", "dtype"))
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "dtype", "blocks"))
 def dequantize_keys(
-    qk: QuantizedKeys, *, bits: int, group_size: int, dtype: Any = jnp.float32
-) -> jax.Array:
-    """Dequantise :func:`quantize_keys` output to ``dtype[..., T, H]`` (the query's dtype).
+    qk: QuantizedKeys, *, bits: int, group_size: int, dtype: Any = jnp.float32, blocks: bool = False
+) -> jax.Array | list[jax.Array]:
+    """Dequantise :func:`quantize_keys` output to ``dtype[..., T, H]`` (the query's dtype),
+    or to its channel blocks with ``blocks=True`` (see :func:`dequantize_affine`).
 
     Raises:
       JaxkvError: ``bits`` or ``group_size`` inconsistent with ``qk``'s shapes,
@@ -505,7 +552,7 @@ def dequantize_keys(
             f"bits={bits} unpacks codes of width {qk.codes.shape[-1]} to H="
             f"{qk.codes.shape[-1] * cpb}, but the key scales have H={qk.scale.shape[-1]}"
         )
-    return dequantize_affine(qk, bits=bits, axis=-2, group_size=group_size, dtype=dtype)
+    return dequantize_affine(qk, bits=bits, axis=-2, group_size=group_size, dtype=dtype, blocks=blocks)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "scale_dtype"))
@@ -534,9 +581,12 @@ def quantize_values(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "dtype"))
-def dequantize_values(qv: QuantizedValues, *, bits: int, dtype: Any = jnp.float32) -> jax.Array:
-    """Dequantise :func:`quantize_values` output to ``dtype[..., T, H]`` (the query's dtype).
+@functools.partial(jax.jit, static_argnames=("bits", "dtype", "blocks"))
+def dequantize_values(
+    qv: QuantizedValues, *, bits: int, dtype: Any = jnp.float32, blocks: bool = False
+) -> jax.Array | list[jax.Array]:
+    """Dequantise :func:`quantize_values` output to ``dtype[..., T, H]`` (the query's dtype),
+    or to its channel blocks with ``blocks=True`` (see :func:`dequantize_affine`).
 
     Raises:
       JaxkvError: ``bits`` not in {8, 4, 2}, unsupported ``dtype``.
@@ -544,4 +594,4 @@ def dequantize_values(qv: QuantizedValues, *, bits: int, dtype: Any = jnp.float3
     chex.assert_rank(qv.codes, {i for i in range(2, 16)})
     chex.assert_shape([qv.scale, qv.zero], qv.codes.shape[:-1])
     qt = QuantizedTensor(qv.codes, qv.scale[..., None], qv.zero[..., None])
-    return dequantize_affine(qt, bits=bits, axis=-1, group_size=None, dtype=dtype)
+    return dequantize_affine(qt, bits=bits, axis=-1, group_size=None, dtype=dtype, blocks=blocks)

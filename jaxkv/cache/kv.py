@@ -300,13 +300,19 @@ class KVCache:
 
 
 def dequantized(spec: CacheSpec, layer: dict, dtype):
-    """Dequantise one layer's quantised ring: ``(k, v)`` each ``dtype[B, K, W, H]`` (KIVI §3.2)."""
+    """Dequantise one layer's quantised ring (KIVI §3.2) as channel blocks.
+
+    Returns:
+      ``(k_blocks, v_blocks)``: lists of 1 (int8) or ``8 // bits`` arrays
+      ``dtype[B, K, W, H / len]`` whose concatenation along H is the dequantised ring
+      (see ``blocks`` of :func:`jaxkv.cache.kivi.dequantize_affine`).
+    """
     k = kivi.dequantize_keys(
         kivi.QuantizedKeys(codes=layer["k_codes"], scale=layer["k_scale"], zero=layer["k_zero"]),
-        bits=spec.bits, group_size=spec.group_size, dtype=dtype,
+        bits=spec.bits, group_size=spec.group_size, dtype=dtype, blocks=True,
     )
     v = kivi.dequantize_values(
         kivi.QuantizedValues(codes=layer["v_codes"], scale=layer["v_scale"], zero=layer["v_zero"]),
-        bits=spec.bits, dtype=dtype,
+        bits=spec.bits, dtype=dtype, blocks=True,
     )
     return k, v
