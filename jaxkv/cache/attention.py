@@ -73,9 +73,8 @@ def attend(spec: CacheSpec, view: ReadView, layer: dict, q, k, v, *, theta: floa
     q_sink = apply_rope(qg, view.q_rot_sink[:, :, None, None], theta=theta) if cache_mode else q_main
     scale = 1.0 / jnp.sqrt(jnp.float32(h))
 
-    # queries as [B, K, G*T, H]; the keys are the dot's first operand so XLA reads the
-    # cache in its stored [S, H] layout (a queries-first dot makes XLA CPU transpose
-    # every key segment, i.e. copy the whole key cache, at every step).
+    # queries as [B, K, G*T, H]; keys are the dot's first operand, contracted over their
+    # minor axis H: the layout the cache stores them in.
     q_main = jnp.transpose(q_main, (0, 2, 3, 1, 4)).reshape(b, n_kv, group * t, h)
     q_sink = jnp.transpose(q_sink, (0, 2, 3, 1, 4)).reshape(b, n_kv, group * t, h) if cache_mode else q_main
     dims = (((3,), (3,)), ((0, 1), (0, 1)))
