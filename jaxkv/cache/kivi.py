@@ -436,7 +436,6 @@ def dequantize_affine(
       bits, axis, group_size: as given to :func:`quantize_affine` (static).
       dtype: output dtype, normally the query's (float16, bfloat16 or float32; static).
         Values beyond its finite range saturate to +-max (never inf).
-
       blocks: return the channel blocks instead of one array (static): a list of 1 or
         ``cpb`` arrays ``dtype[..., H / len]`` whose concatenation along H is the array.
         Attention contracts each block on its own (:mod:`jaxkv.cache.attention`), which
