@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -69,3 +70,32 @@ def ref_kwargs(spec):
         kw.update(bits=spec.bits, group_size=spec.group_size, residual=spec.residual,
                   scale_dtype=np.dtype(spec.scale_dtype).type)
     return kw
+
+
+def decode_loop_hlo(model, spec) -> str:
+    """The compiled HLO text of jaxkv's decode loop (``sampling._decode_block``) for one row."""
+    import jax.numpy as jnp
+
+    from jaxkv import KVCache
+    from jaxkv.sampling import Sampler, _decode_block, _LoopState
+
+    c = model.config
+    cache = KVCache.create(spec, batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+    loop = _LoopState(logits=jnp.zeros((1, c.vocab_size)), done=jnp.zeros((1,), bool), reason=jnp.zeros((1,), jnp.int32),
+                      generated=jnp.zeros((1,), jnp.int32), step=jnp.int32(0))
+    gd, st = nnx.split(model)
+    return _decode_block.lower(gd, st, cache, loop, jnp.full((1,), 5, jnp.int32), jax.random.PRNGKey(0),
+                               sampler=Sampler(), block=4, eos_id=None).compile().as_text()
+
+
+def materialised_buffers(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(instruction, element type, shape) of every buffer a compiled program writes: the
+    instructions outside fusion bodies, less parameters, tuple elements and bitcasts."""
+    out, fused = [], False
+    for line in hlo.splitlines():
+        if line.endswith("{") and not line.startswith(" "):  # a computation begins
+            fused = "fused_computation" in line or line.startswith("%wrapped")
+        elif not fused and (m := re.match(r"\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]", line)):
+            if not re.search(r"= \S+ (parameter|get-tuple-element|bitcast)\(", line):
+                out.append((m.group(1), m.group(2), tuple(int(d) for d in m.group(3).split(",") if d)))
+    return out

@@ -15,7 +15,6 @@ the test asserts exactly what the script prints.
 from __future__ import annotations
 
 import importlib.util
-import re
 
 import chex
 import jax
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO, ref_kwargs, tiny_model
+from conftest import REPO, decode_loop_hlo, materialised_buffers, ref_kwargs, tiny_model
 from reference import RefDecoder
 from test_streaming import chunked as streaming_chunked
 from jaxkv import CacheSpec, JaxkvError, KVCache, forward, prefill
@@ -392,18 +391,6 @@ def test_greedy_prefix_match_with_fp32_cache(name, request, capsys):
     assert result["modes"]["int8"]["mean"] >= 0.99, result["modes"]["int8"]["per_prompt"]
 
 
-def _unfused_float_shapes(hlo: str) -> list[tuple[int, ...]]:
-    """Shapes of the float buffers a compiled program materialises (instructions outside fusions)."""
-    shapes, fused = [], False
-    for line in hlo.splitlines():
-        if line.endswith("{") and not line.startswith(" "):  # a computation begins
-            fused = "fused_computation" in line or line.startswith("%wrapped")
-        elif not fused and (m := re.match(r"\s*(?:ROOT )?%\S+ = f(?:16|32)\[([\d,]*)\]", line)):
-            if not re.search(r"= \S+ (parameter|get-tuple-element|bitcast)\(", line):
-                shapes.append(tuple(int(d) for d in m.group(1).split(",") if d))
-    return shapes
-
-
 @pytest.mark.parametrize("spec", [
     CacheSpec(sink=4, window=512, kv_quantize="int4", group_size=32, residual=32),
     CacheSpec(sink=4, window=512, kv_quantize="int2", group_size=32, residual=32, positions="cache"),
@@ -412,15 +399,9 @@ def test_decode_loop_attends_channel_blocks_never_the_whole_window(spec):
     """int4/int2 windows are dequantised and attended as 8 // bits channel blocks: the compiled
     decode loop holds float blocks [.., W, H/cpb] and never a dequantised (or rotated) window
     of full width H, which XLA CPU builds 2-4x slower (docs/PERFORMANCE.md)."""
-    from jaxkv.sampling import Sampler, _decode_block, _LoopState
-
     model, _, _ = tiny_model(head_dim=64)
     c = model.config
-    gd, st = nnx.split(model)
-    cache = KVCache.create(spec, batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
-    loop = _LoopState(logits=jnp.zeros((1, c.vocab_size)), done=jnp.zeros((1,), bool), reason=jnp.zeros((1,), jnp.int32),
-                      generated=jnp.zeros((1,), jnp.int32), step=jnp.int32(0))
-    hlo = _decode_block.lower(gd, st, cache, loop, jnp.full((1,), 5, jnp.int32), jax.random.PRNGKey(0),
-                              sampler=Sampler(), block=4, eos_id=None).compile().as_text()
-    windows = [shape for shape in _unfused_float_shapes(hlo) if len(shape) >= 2 and shape[-2] == spec.window]
+    hlo = decode_loop_hlo(model, spec)
+    windows = [shape for _, dtype, shape in materialised_buffers(hlo)
+               if dtype in ("f16", "bf16", "f32") and len(shape) >= 2 and shape[-2] == spec.window]
     assert windows and all(shape[-1] < c.head_dim for shape in windows), windows

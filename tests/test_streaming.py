@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import ref_kwargs, tiny_model
+from conftest import decode_loop_hlo, materialised_buffers, ref_kwargs, tiny_model
 from reference import RefDecoder
 from jaxkv import CacheSpec, CacheFullError, JaxkvError, KVCache, forward, prefill, sample
 from jaxkv.cache.ring import plan_chunk
@@ -231,3 +231,16 @@ def test_sample_compiles_once_per_spec_and_batch(stories):
         sample(stories, prompt, max_new_tokens=n, cache=spec)
     assert sampling._decode_block._cache_size() == decode_before
     assert sampling._prefill_chunk._cache_size() == prefill_before
+
+
+@pytest.mark.parametrize("kv_quantize", ["fp32", "fp16", "bf16"])
+def test_decode_loop_writes_the_window_in_place_and_never_copies_it(kv_quantize):
+    """The only whole-window buffers the compiled decode loop writes are the in-place ring
+    updates: no copy, no conversion of the window (bf16: XLA CPU converts a whole bfloat16
+    operand to float32 to slice or update it, so bf16 storage is held as int16 bit patterns)."""
+    model, _, _ = tiny_model(head_dim=64)
+    c = model.config
+    spec = CacheSpec(sink=4, window=508, kv_quantize=kv_quantize)
+    whole = (c.n_layers, 1, c.n_kv_heads, spec.n_ring, c.head_dim)
+    buffers = [(name, dtype) for name, dtype, shape in materialised_buffers(decode_loop_hlo(model, spec)) if shape == whole]
+    assert len(buffers) == 2 and all("dynamic-update-slice" in name for name, _ in buffers), buffers  # ring_k, ring_v

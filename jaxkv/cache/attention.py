@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv.cache.kv import ReadView, dequantized
+from jaxkv.cache.kv import ReadView, dequantized, layer_value
 from jaxkv.cache.ring import visible
 from jaxkv.cache.rope import apply_rope, rope_blocks
 from jaxkv.cache.spec import CacheSpec
@@ -57,14 +57,15 @@ def attend(spec: CacheSpec, view: ReadView, layer: dict, q, k, v, *, theta: floa
     # no dequantised or rotated segment is ever concatenated along H.
     segments = []
     if view.sink_pos is not None:
-        sk = [layer["sink_k"].astype(dtype)]
+        sk = [layer_value(layer["sink_k"]).astype(dtype)]
         if cache_mode:  # a sink's rank is its position
             sk = rotate(sk, view.sink_pos[:, None, :])
-        segments.append((sk, [layer["sink_v"]], view.sink_pos, True))
+        segments.append((sk, [layer_value(layer["sink_v"])], view.sink_pos, True))
     if view.quant_pos is not None:
         qk, qv = dequantized(spec, layer, dtype)
         segments.append((rotate_keys(qk, view.quant_pos), qv, view.quant_pos, False))
-    segments.append((rotate_keys([layer["ring_k"].astype(dtype)], view.ring_pos), [layer["ring_v"]], view.ring_pos, False))
+    ring_k, ring_v = layer_value(layer["ring_k"]), layer_value(layer["ring_v"])
+    segments.append((rotate_keys([ring_k.astype(dtype)], view.ring_pos), [ring_v], view.ring_pos, False))
     segments.append((rotate_keys([k_store], view.q_pos), [v], view.q_pos, False))
 
     group = n_heads // n_kv

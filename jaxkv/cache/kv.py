@@ -81,6 +81,11 @@ class ReadView(struct.PyTreeNode):
 class KVCache:
     """The KV cache pytree (see the module docstring for the layout). Build with :meth:`create`.
 
+    ``bf16`` storage is held as int16 bit patterns (read it with :func:`layer_value`): XLA CPU
+    runs bfloat16 slices and updates by converting the whole operand to float32, which would
+    copy the whole cache at every step; as int16 the per-layer reads and the in-place writes
+    stay what they are for fp16. The bytes are the same.
+
     ``batch_sharded`` (static) says the B axis is split over devices
     (:func:`jaxkv.parallel.shard_cache` sets it): writes then update all rows at once
     (``write_ring(batch_parallel=True)``) so each device writes only its own rows.
@@ -111,11 +116,10 @@ class KVCache:
         for name, value in (("batch", batch), ("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise JaxkvError(f"KVCache.create: {name}={value!r}, expected a positive integer")
-        float_dtype = jnp.float32 if spec.quantized else STORAGE_DTYPES[spec.kv_quantize]
         lbk = (n_layers, batch, n_kv_heads)
 
-        def slots(n, dtype=float_dtype):
-            return jnp.zeros(lbk + (n, head_dim), dtype)
+        def slots(n):
+            return _to_container(jnp.zeros(lbk + (n, head_dim)), spec)
 
         def empty_pos(n):
             return jnp.full((batch, n), -1, jnp.int32)
@@ -253,7 +257,8 @@ class KVCache:
         )
 
     def layer_leaves(self) -> dict:
-        """The per-layer arrays (each with a leading L axis) for ``lax.scan`` over layers."""
+        """The per-layer arrays (each with a leading L axis) for ``lax.scan`` over layers
+        (float leaves in their container dtype: read them with :func:`layer_value`)."""
         leaves = dict(sink_k=self.sink_k, sink_v=self.sink_v, ring_k=self.ring_k, ring_v=self.ring_v)
         if self.quant is not None:
             q = self.quant
@@ -280,6 +285,7 @@ class KVCache:
         in_sink = self.length < spec.sink
         kv = dict(batch_axis=1, slot_axis=3, batch_parallel=self.batch_sharded)
         pos_axes = dict(batch_axis=0, slot_axis=1, batch_parallel=self.batch_sharded)
+        k_new, v_new = _to_container(k_new, spec), _to_container(v_new, spec)
         new = {}
         if spec.n_sink:
             ns = jnp.where(in_sink, n, 0)
@@ -297,6 +303,18 @@ class KVCache:
             ring_pos=write_ring(self.ring_pos, pos, start, nr, **pos_axes),
         )
         return self.replace(length=self.length + n, **new)
+
+
+def layer_value(x: jax.Array) -> jax.Array:
+    """The float values of a sink/window leaf (any slice of it): bf16 storage is held as
+    int16 bit patterns (see :class:`KVCache`) and viewed back as bfloat16; others unchanged."""
+    return lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.int16 else x
+
+
+def _to_container(x: jax.Array, spec: CacheSpec) -> jax.Array:
+    """Keys/values in the sink/window storage of ``spec`` (float32 under KIVI), as held."""
+    x = x.astype(jnp.float32 if spec.quantized else STORAGE_DTYPES[spec.kv_quantize])
+    return lax.bitcast_convert_type(x, jnp.int16) if x.dtype == jnp.bfloat16 else x
 
 
 def dequantized(spec: CacheSpec, layer: dict, dtype):
