@@ -277,7 +277,8 @@ def plot(results: dict, path: str) -> None:
     dashed in the mode's colour: its roofline ms/token at each reported length.
 
     Raises:
-      JaxkvError: matplotlib is not installed (``pip install 'jaxkv[results]'``).
+      JaxkvError: matplotlib is not installed (``pip install 'jaxkv[results]'``); ``path``
+      cannot be written.
     """
     plt = _pyplot(path)
 
