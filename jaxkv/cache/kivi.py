@@ -81,7 +81,7 @@ goes to the low bits and the second half to the high bits, recursively::
     int2: packed[..., i] = c[i] | c[i + H/2] << 2 | c[i + H/4] << 4 | c[i + 3H/4] << 6    i < H/4
 
 int8 is the identity. Each bit field of a byte is thus a contiguous block of H/cpb
-channels: :func:`unpack_codes` is one or two ``concatenate([p & mask, p >> shift])``
+channels: :func:`unpack_codes` splits each byte into its fields and concatenates them
 along H, and :func:`dequantize_affine` with ``blocks=True`` dequantises each block as
 its own elementwise loop (exact float32 ``floor`` arithmetic, which XLA CPU vectorises
 better than byte shifts), never concatenating them: attention contracts block by block.
@@ -250,19 +250,11 @@ def _pack(codes: jax.Array, bits: int) -> jax.Array:
 
 
 def _planes(packed: jax.Array, bits: int) -> list[jax.Array]:
-    """The ``cpb`` contiguous channel blocks ``uint8[..., H/cpb]`` of packed codes, in channel order."""
-    planes, width = [packed], 8
-    while width > bits:  # the low bits hold the first half of the channels, the high bits the second
-        width //= 2
-        planes = [x & ((1 << width) - 1) for x in planes] + [x >> width for x in planes]
-    return planes
-
-
-def _planes_f32(packed: jax.Array, bits: int) -> list[jax.Array]:
-    """:func:`_planes` as exact float32 (``hi = floor(x / 2**w)``, ``lo = x - 2**w * hi``):
-    XLA CPU vectorises this float arithmetic better than byte shifts and masks."""
+    """The ``cpb`` contiguous channel blocks ``[..., H/cpb]`` of packed codes, in channel order,
+    as exact float32 codes (``hi = floor(x / 2**w)``, ``lo = x - 2**w * hi``): XLA CPU
+    vectorises this float arithmetic better than byte shifts and masks."""
     planes, width = [packed.astype(jnp.float32)], 8
-    while width > bits:
+    while width > bits:  # the low bits hold the first half of the channels, the high bits the second
         width //= 2
         high = [jnp.floor(x * np.float32(1.0 / (1 << width))) for x in planes]
         planes = [x - np.float32(1 << width) * hi for x, hi in zip(planes, high)] + high
@@ -270,8 +262,9 @@ def _planes_f32(packed: jax.Array, bits: int) -> list[jax.Array]:
 
 
 def _unpack(packed: jax.Array, bits: int) -> jax.Array:
-    planes = _planes(packed, bits)
-    return jnp.concatenate(planes, axis=-1) if len(planes) > 1 else packed
+    if bits == 8:
+        return packed
+    return jnp.concatenate(_planes(packed, bits), axis=-1).astype(jnp.uint8)
 
 
 @functools.partial(jax.jit, static_argnames=("bits",))
@@ -470,10 +463,10 @@ def dequantize_affine(
     chex.assert_shape(scale, shape[:ax] + (n,) + shape[ax + 1 :])
     s, z = scale.astype(jnp.float32), zero.astype(jnp.float32)
     last = ax == len(shape) - 1
-    planes = _planes_f32(codes, bits)
+    planes = _planes(codes, bits)
     hb = codes.shape[-1]  # channels per plane
-    if last and n > 1 and hb % g:  # groups along H straddle the planes: dequantise unpacked codes
-        planes, hb = [_unpack(codes, bits).astype(jnp.float32)], shape[-1]
+    if last and n > 1 and hb % g:  # groups along H straddle the planes: dequantise them joined
+        planes, hb = [jnp.concatenate(planes, axis=-1)], shape[-1]
 
     def dequant_block(j: int, plane: jax.Array) -> jax.Array:
         # channel block j: [j * hb, (j + 1) * hb), dequantised alone (one contiguous
