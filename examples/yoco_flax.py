@@ -16,10 +16,9 @@ Nothing here is jaxkv's Llama: the modules are plain ``nnx.Linear``/``nnx.Embed`
 held in ``nnx.Dict`` (not ``nnx.List``, which flax 0.10.4 lacks). The model follows the
 per-layer cache contract of ``docs/custom_models.md``::
 
-    n = cache.admit(n); cache = cache.prepare(n)                 # once per call
-    view = cache.read_view(cache.query_positions(n, T))           # once per call
-    out, k_store, v_store = attend(cache.spec, view, entry, q, k, v, theta=...)  # per layer
-    cache = cache.append(k_new[E, B, K, T, H], v_new, n)          # once, all E entries
+    cache, step = cache.begin(n, T)                                # once per call
+    out, k_store, v_store = attend(step, entry, q, k, v, theta=...)  # per layer (entry of cache.layers())
+    cache = cache.commit(step, k_new[E, B, K, T, H], v_new)        # once, all E entries
 
 and :func:`jaxkv.sample` drives it unchanged, because a :class:`jaxkv.LoadedModel` only
 needs ``model(tokens, n, cache, last_only=...) -> (logits, cache)`` and a ``config`` whose
@@ -175,10 +174,8 @@ class Yoco(nnx.Module):
         """
         c = self.config
         b, t = tokens.shape
-        n = cache.admit(n)
-        cache = cache.prepare(n)
-        view = cache.read_view(cache.query_positions(n, t))
-        leaves = cache.layer_leaves()  # each [E, ...]; entry e is leaves[...][e]
+        cache, step = cache.begin(n, t)  # admit, flush, positions: once per call
+        leaves = cache.layers()  # each [E, ...]; entry e is leaves[...][e]
 
         def entry(e):
             return jax.tree.map(lambda a: a[e], leaves)
@@ -188,7 +185,7 @@ class Yoco(nnx.Module):
         for i in range(c.n_self_layers):
             layer_cache = entry(i)
             x, k_store, v_store = self.self_layers[str(i)](
-                x, lambda q, k, v, e=layer_cache: attend(cache.spec, view, e, q, k, v, theta=c.rope_theta))
+                x, lambda q, k, v, e=layer_cache: attend(step, e, q, k, v, theta=c.rope_theta))
             k_stores.append(k_store)
             v_stores.append(v_store)
 
@@ -200,7 +197,7 @@ class Yoco(nnx.Module):
         stored = {}
 
         def attend_shared(q):
-            out, k_store, v_store = attend(cache.spec, view, shared, q, k_sh, v_sh, theta=c.rope_theta)
+            out, k_store, v_store = attend(step, shared, q, k_sh, v_sh, theta=c.rope_theta)
             stored.setdefault("kv", (k_store, v_store))  # identical for every cross layer
             return out
 
@@ -211,9 +208,9 @@ class Yoco(nnx.Module):
         k_stores.append(stored["kv"][0])
         v_stores.append(stored["kv"][1])
 
-        cache = cache.append(jnp.stack(k_stores), jnp.stack(v_stores), n)  # [E, B, K, T, H]
+        cache = cache.commit(step, jnp.stack(k_stores), jnp.stack(v_stores))  # [E, B, K, T, H]
         if last_only:
-            idx = jnp.maximum(n - 1, 0)[:, None, None]
+            idx = jnp.maximum(step.n - 1, 0)[:, None, None]
             x = jnp.take_along_axis(x, jnp.broadcast_to(idx, (b, 1, x.shape[-1])), axis=1)
         logits = self.lm_head(self.final_norm(x)).astype(jnp.float32)
         return logits, cache

@@ -12,7 +12,7 @@ Public API::
 
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.memory import MemoryReport, memory_report
-from jaxkv.cache.spec import CacheSpec
+from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.chat import ChatSession
 from jaxkv.errors import CacheFullError, JaxkvError, ModelFileError
 from jaxkv.models import LoadedModel, load_model
@@ -28,6 +28,7 @@ __all__ = [
     "Generation",
     "JaxkvError",
     "KVCache",
+    "LayerSpecs",
     "Llama",
     "LlamaConfig",
     "LoadedModel",

@@ -22,7 +22,6 @@ from jax import lax
 
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.memory import MemoryReport, memory_report
-from jaxkv.cache.ring import plan_chunk
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.errors import CacheFullError, JaxkvError
 from jaxkv.models import LoadedModel, load_model
@@ -154,7 +153,7 @@ def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]]
     graphdef, state = nnx.split(model.model)
     last = None
     while np.any(remaining > 0):
-        n = plan_chunk(spec, lengths, remaining, t)
+        n = spec.policy.plan_chunk(lengths, remaining, t)
         tokens = np.zeros((len(prompts), t), np.int32)
         for b, p in enumerate(prompts):
             tokens[b, : n[b]] = p[offsets[b] : offsets[b] + n[b]]

@@ -16,7 +16,6 @@ from flax import nnx
 from conftest import decode_loop_hlo, materialised_buffers, ref_kwargs, tiny_model
 from reference import RefDecoder
 from jaxkv import CacheSpec, CacheFullError, JaxkvError, KVCache, forward, prefill, sample
-from jaxkv.cache.ring import plan_chunk
 from jaxkv.models import LoadedModel
 
 PAIRS = [(0, 8), (4, 8), (4, 13), (1, 1), (2, 64)]
@@ -46,13 +45,13 @@ def decode(spec, tokens, model=None):
 
 def chunked(spec, tokens, chunk, model=None, cache=None, sizes=None):
     """Logits of every token when the sequence is streamed in chunks of up to ``chunk``
-    (planned by ``ring.plan_chunk``); each chunk's token count is appended to ``sizes`` if given."""
+    (planned by ``Policy.plan_chunk``); each chunk's token count is appended to ``sizes`` if given."""
     model = model or tiny_model()[0]
     gd, st = nnx.split(model)
     cache = cache if cache is not None else new_cache(spec, model=model)
     rows, i = [], 0
     while i < len(tokens):
-        n = int(plan_chunk(spec, np.asarray(cache.length), np.asarray([len(tokens) - i]), chunk)[0])
+        n = int(spec.policy.plan_chunk(np.asarray(cache.length), np.asarray([len(tokens) - i]), chunk)[0])
         buf = np.zeros((1, chunk), np.int32)
         buf[0, :n] = tokens[i : i + n]
         logits, cache = STEP(gd, st, jnp.asarray(buf), jnp.asarray([n], jnp.int32), cache)

@@ -9,37 +9,46 @@ exactly its own retained set and chunked prefill equals token-by-token decode.
 
 from __future__ import annotations
 
+import warnings
+
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv.cache.kv import ReadView, dequantized, layer_value
-from jaxkv.cache.ring import visible
+from jaxkv.cache.kv import LayerKV, Step
 from jaxkv.cache.rope import apply_rope, rope_blocks
 from jaxkv.cache.spec import CacheSpec
 
 
-def attend(spec: CacheSpec, view: ReadView, layer: dict, q, k, v, *, theta: float):
+def attend(step: Step, layer: LayerKV, q, k, v, *args, theta: float):
     """Grouped-query attention of a chunk over one layer of the cache and itself.
 
     Args:
-      spec: the cache's spec (static).
-      view: :meth:`KVCache.read_view` of the chunk's positions (shared by all layers).
-      layer: one layer of :meth:`KVCache.layer_leaves` (the L axis removed).
+      step: from :meth:`KVCache.begin` (shared by all layers).
+      layer: one layer of :meth:`KVCache.layers` (the L axis removed).
       q: ``[B, T, N, H]`` queries before RoPE. k, v: ``[B, T, K, H]`` the chunk's keys
         (before RoPE) and values; ``N % K == 0``.
       theta: RoPE base.
     Returns:
       ``(out[B, T, N, H], k_store[B, K, T, H], v_store[B, K, T, H])``: the attention
       output in ``q.dtype``, and the chunk's keys/values as the cache stores them (keys
-      after RoPE in ``absolute`` mode, before RoPE in ``cache`` mode).
+      after RoPE in ``absolute`` mode, before RoPE in ``cache`` mode): stack them on L
+      for :meth:`KVCache.commit`.
+
+    The deprecated form ``attend(spec, view, layer, q, k, v, theta=...)`` (the six-call
+    protocol) is still accepted.
     """
+    if isinstance(step, CacheSpec):  # attend(spec, view, layer, q, k, v)
+        warnings.warn("attend(spec, view, layer, ...) is deprecated: use attend(step, layer, ...) with "
+                      "cache.begin (docs/custom_models.md)", DeprecationWarning, stacklevel=2)
+        step, layer, q, k, v = layer, q, k, v, args[0]
+    policy, storage = step.spec.policy, step.spec.storage
     b, t, n_heads, h = q.shape
     n_kv = k.shape[2]
     dtype = q.dtype
     k = jnp.swapaxes(k, 1, 2)  # [B, K, T, H]
     v = jnp.swapaxes(v, 1, 2)
-    cache_mode = spec.positions == "cache"
-    shift = view.k_shift[:, None, None]
+    cache_mode = policy.keys_pre_rope
+    shift = step.k_shift[:, None, None]
 
     def rotate(blocks, pos):  # blocks: channel blocks of keys [B, K, S, H/n]; pos int32[B, 1, S]
         if len(blocks) == 1:  # split into halves: rotated keys are never concatenated
@@ -50,28 +59,28 @@ def attend(spec: CacheSpec, view: ReadView, layer: dict, q, k, v, *, theta: floa
     def rotate_keys(blocks, pos):  # pos int32[B, S]: window keys at their rank (cache mode)
         return rotate(blocks, pos[:, None, :] - shift) if cache_mode else blocks
 
-    k_store = k if cache_mode else apply_rope(k, view.q_pos[:, None, :], theta=theta)
+    k_store = k if cache_mode else apply_rope(k, step.q_pos[:, None, :], theta=theta)
 
     # segments: (key blocks [B,K,S,H/n], value blocks [B,K,S,H/m], positions [B,S], is_sink).
     # A segment is a list of channel blocks (KIVI int4/int2: one per packed bit field) so that
     # no dequantised or rotated segment is ever concatenated along H.
     segments = []
-    if view.sink_pos is not None:
-        sk = [layer_value(layer["sink_k"]).astype(dtype)]
+    if step.sink_pos is not None:
+        sk = [storage.read(layer.sink_k).astype(dtype)]
         if cache_mode:  # a sink's rank is its position
-            sk = rotate(sk, view.sink_pos[:, None, :])
-        segments.append((sk, [layer_value(layer["sink_v"])], view.sink_pos, True))
-    if view.quant_pos is not None:
-        qk, qv = dequantized(spec, layer, dtype)
-        segments.append((rotate_keys(qk, view.quant_pos), qv, view.quant_pos, False))
-    ring_k, ring_v = layer_value(layer["ring_k"]), layer_value(layer["ring_v"])
-    segments.append((rotate_keys([ring_k.astype(dtype)], view.ring_pos), [ring_v], view.ring_pos, False))
-    segments.append((rotate_keys([k_store], view.q_pos), [v], view.q_pos, False))
+            sk = rotate(sk, step.sink_pos[:, None, :])
+        segments.append((sk, [storage.read(layer.sink_v)], step.sink_pos, True))
+    if layer.store is not None:
+        for sk, sv, pos in storage.segments(layer.store, step.store_pos, dtype):
+            segments.append((rotate_keys(sk, pos), sv, pos, False))
+    ring_k, ring_v = storage.read(layer.ring_k), storage.read(layer.ring_v)
+    segments.append((rotate_keys([ring_k.astype(dtype)], step.ring_pos), [ring_v], step.ring_pos, False))
+    segments.append((rotate_keys([k_store], step.q_pos), [v], step.q_pos, False))
 
     group = n_heads // n_kv
     qg = q.reshape(b, t, n_kv, group, h)
-    q_main = apply_rope(qg, view.q_rot[:, :, None, None], theta=theta)
-    q_sink = apply_rope(qg, view.q_rot_sink[:, :, None, None], theta=theta) if cache_mode else q_main
+    q_main = apply_rope(qg, step.q_rot[:, :, None, None], theta=theta)
+    q_sink = apply_rope(qg, step.q_rot_sink[:, :, None, None], theta=theta) if cache_mode else q_main
     scale = 1.0 / jnp.sqrt(jnp.float32(h))
 
     # queries as [B, K, G*T, H]; keys are the dot's first operand, contracted over their
@@ -88,7 +97,7 @@ def attend(spec: CacheSpec, view: ReadView, layer: dict, q, k, v, *, theta: floa
             for j, block in enumerate(keys)
         )  # [B, K, S, G*T]
         s = jnp.swapaxes(s, 2, 3).reshape(b, n_kv, group, t, -1) * scale
-        mask = visible(spec, view.q_pos[:, :, None], pos[:, None, :])  # [B, T, S]
+        mask = policy.visible(step.q_pos[:, :, None], pos[:, None, :])  # [B, T, S]
         scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
     s = jnp.concatenate(scores, axis=-1)
     m = jnp.max(s, axis=-1, keepdims=True)

@@ -11,8 +11,13 @@ leaf            shape                       holds
 ``sink_pos``    ``int32[B, S0]``            absolute position per sink slot, -1 = empty
 ``ring_k/v``    ``[L, B, K, R, H]``         circular window (fp modes) or KIVI residual
 ``ring_pos``    ``int32[B, R]``             absolute position per ring slot, -1 = empty
-``quant``       :class:`QuantRing` or None  KIVI: bit-packed codes of the last W flushed tokens
+``quant``       storage-defined or None     the storage's compressed store (KIVI :class:`QuantRing`:
+                                            bit-packed codes of the last W flushed tokens)
 ==============  ==========================  ===============================================
+
+What is kept where is the spec's *policy* (:mod:`jaxkv.cache.policy`); how it is held is
+its *storage* (:mod:`jaxkv.cache.storage`, :mod:`jaxkv.cache.kivi_storage`). This module
+only lays the leaves out and runs the three calls of the model contract.
 
 Position ``p < S0`` lives in sink slot ``p``; window position ``p`` (index ``u = p - S0``)
 lives in ring slot ``u % R`` (and, once flushed under KIVI, in quantised slot ``u % W``).
@@ -23,72 +28,81 @@ donated, XLA updates the buffers in place.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax import lax
 
-from jaxkv.cache import kivi
-from jaxkv.cache.ring import rank, window_start, write_ring
-from jaxkv.cache.spec import CacheSpec
+from jaxkv.cache.kivi_storage import QuantRing
+from jaxkv.cache.ring import write_ring
+from jaxkv.cache.spec import CacheSpec, LayerSpecs
+from jaxkv.cache.storage import Storage
 from jaxkv.errors import JaxkvError
 
-STORAGE_DTYPES = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16}
+__all__ = ["KVCache", "LayerKV", "QuantRing", "Step", "layer_value"]
 
 
-@struct.dataclass
-class QuantRing:
-    """KIVI storage of the last W flushed window tokens (KIVI §3.2, §4).
-
-    Attributes:
-      k_codes: uint8[L, B, K, W, H/cpb], keys quantised per-channel, codes packed along H.
-      k_scale, k_zero: [L, B, K, W/G, H] (scale_dtype), one pair per channel and group of G tokens.
-      v_codes: uint8[L, B, K, W, H/cpb], values quantised per-token.
-      v_scale, v_zero: [L, B, K, W] (scale_dtype), one pair per token.
-      pos: int32[B, W], absolute position per token slot, -1 = empty.
-    """
-
-    k_codes: jax.Array
-    k_scale: jax.Array
-    k_zero: jax.Array
-    v_codes: jax.Array
-    v_scale: jax.Array
-    v_zero: jax.Array
-    pos: jax.Array
-
-
-class ReadView(struct.PyTreeNode):
-    """Per-row (not per-layer) inputs of one attention call: positions and RoPE offsets.
+class Step(struct.PyTreeNode):
+    """What one model call needs to attend and commit: made by :meth:`KVCache.begin`, shared
+    by every layer (per-row, not per-layer, arrays).
 
     Attributes:
+      spec: the cache's :class:`CacheSpec` (static).
+      n: int32[B], tokens each row appends in this call (after :meth:`KVCache.begin` admitted them).
       q_pos: int32[B, T], absolute position of each query, -1 = padding.
-      sink_pos, ring_pos, quant_pos: int32[B, S] per segment (None where absent).
+      sink_pos, ring_pos, store_pos: int32[B, S] per segment: sinks, full-precision ring
+        (window or KIVI residual), the storage's compressed store (None where absent).
       q_rot_sink: int32[B, T], RoPE position of the query against sink keys.
       q_rot: int32[B, T], RoPE position of the query against all other keys.
       k_shift: int32[B], subtracted from a non-sink key's absolute position to get its RoPE position.
     """
 
+    spec: CacheSpec = struct.field(pytree_node=False)
+    n: jax.Array
     q_pos: jax.Array
     sink_pos: jax.Array | None
     ring_pos: jax.Array
-    quant_pos: jax.Array | None
+    store_pos: jax.Array | None
     q_rot_sink: jax.Array
     q_rot: jax.Array
     k_shift: jax.Array
+
+
+ReadView = Step  # the name before the three-call contract (deprecated)
+
+
+class LayerKV(struct.PyTreeNode):
+    """The per-layer leaves of a cache (each with a leading L axis from :meth:`KVCache.layers`,
+    or one layer of it inside a layer loop): what :func:`jaxkv.cache.attention.attend` reads.
+
+    Attributes:
+      sink_k, sink_v: ``[L, B, K, S0, H]`` in the storage's container dtype (None without sinks).
+      ring_k, ring_v: ``[L, B, K, R, H]``, the window (float storage) or the KIVI residual.
+      store: the storage's compressed store without its positions (KIVI :class:`QuantRing`), or None.
+    """
+
+    sink_k: jax.Array | None
+    sink_v: jax.Array | None
+    ring_k: jax.Array
+    ring_v: jax.Array
+    store: QuantRing | None
 
 
 @struct.dataclass
 class KVCache:
     """The KV cache pytree (see the module docstring for the layout). Build with :meth:`create`.
 
-    ``bf16`` storage is held as int16 bit patterns (read it with :func:`layer_value`): XLA CPU
-    runs bfloat16 slices and updates by converting the whole operand to float32, which would
-    copy the whole cache at every step; as int16 the per-layer reads and the in-place writes
-    stay what they are for fp16. The bytes are the same.
+    ``bf16`` storage is held as int16 bit patterns (read it with :func:`layer_value`): see
+    :meth:`jaxkv.cache.storage.Storage.to_container`.
 
     ``batch_sharded`` (static) says the B axis is split over devices
     (:func:`jaxkv.parallel.shard_cache` sets it): writes then update all rows at once
     (``write_ring(batch_parallel=True)``) so each device writes only its own rows.
+
+    A model uses it through three calls (DESIGN §3): ``cache, step = cache.begin(n, T)``
+    once per call; :func:`jaxkv.cache.attention.attend` per layer, over one layer of
+    ``cache.layers()``; ``cache = cache.commit(step, k_new, v_new)`` once.
     """
 
     spec: CacheSpec = struct.field(pytree_node=False)
@@ -104,43 +118,33 @@ class KVCache:
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
-    def create(cls, spec: CacheSpec, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int) -> "KVCache":
+    def create(cls, spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int):
         """An empty cache: every slot position -1, every length 0.
 
         Args:
-          spec: what to keep and how to store it.
+          spec: what to keep and how to store it: one :class:`CacheSpec` for every layer, or
+            :class:`LayerSpecs` (one per layer; returns a :class:`jaxkv.cache.layered.LayeredCache`).
           batch: B rows. n_layers: L. n_kv_heads: K. head_dim: H.
         Raises:
           JaxkvError: a non-positive size, or ``head_dim`` not divisible by the codes per byte.
         """
+        if isinstance(spec, LayerSpecs):
+            from jaxkv.cache.layered import LayeredCache  # the layered cache is made of KVCaches
+
+            return LayeredCache.create(spec, batch=batch, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
         for name, value in (("batch", batch), ("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise JaxkvError(f"KVCache.create: {name}={value!r}, expected a positive integer")
         lbk = (n_layers, batch, n_kv_heads)
+        storage = spec.storage
 
         def slots(n):
-            return _to_container(jnp.zeros(lbk + (n, head_dim)), spec)
+            return storage.to_container(jnp.zeros(lbk + (n, head_dim)))
 
         def empty_pos(n):
             return jnp.full((batch, n), -1, jnp.int32)
 
-        quant = None
-        if spec.quantized:
-            per_byte = 8 // spec.bits
-            if head_dim % per_byte:
-                raise JaxkvError(
-                    f"head_dim={head_dim} is not a multiple of {per_byte}, the {spec.kv_quantize} codes per byte"
-                )
-            w, sdt = spec.n_quant, jnp.dtype(spec.scale_dtype)
-            quant = QuantRing(
-                k_codes=jnp.zeros(lbk + (w, head_dim // per_byte), jnp.uint8),
-                k_scale=jnp.ones(lbk + (w // spec.group_size, head_dim), sdt),
-                k_zero=jnp.zeros(lbk + (w // spec.group_size, head_dim), sdt),
-                v_codes=jnp.zeros(lbk + (w, head_dim // per_byte), jnp.uint8),
-                v_scale=jnp.ones(lbk + (w,), sdt),
-                v_zero=jnp.zeros(lbk + (w,), sdt),
-                pos=empty_pos(w),
-            )
+        store = storage.create_store(spec.policy, lbk=lbk, head_dim=head_dim, batch=batch)
         has_sink = spec.n_sink > 0
         return cls(
             spec=spec,
@@ -151,10 +155,20 @@ class KVCache:
             ring_k=slots(spec.n_ring),
             ring_v=slots(spec.n_ring),
             ring_pos=empty_pos(spec.n_ring),
-            quant=quant,
+            quant=store,
         )
 
     # ---- shapes --------------------------------------------------------------------------------
+    @property
+    def policy(self):
+        """The spec's :class:`jaxkv.cache.policy.Policy`."""
+        return self.spec.policy
+
+    @property
+    def storage(self):
+        """The spec's :class:`jaxkv.cache.storage.Storage`."""
+        return self.spec.storage
+
     @property
     def batch(self) -> int:
         return self.length.shape[0]
@@ -163,129 +177,72 @@ class KVCache:
     def n_layers(self) -> int:
         return self.ring_k.shape[0]
 
+    def positions(self) -> list:
+        """The per-slot position arrays ``int32[B, S]`` of every segment that exists."""
+        pos = [p for p in (self.sink_pos, self.ring_pos) if p is not None]
+        return pos + ([self.quant.pos] if self.quant is not None else [])
+
     def stored(self) -> jax.Array:
         """int32[B]: tokens each row holds now (sinks + window/residual + quantised)."""
-        count = jnp.sum(self.ring_pos >= 0, axis=1)
-        if self.sink_pos is not None:
-            count += jnp.sum(self.sink_pos >= 0, axis=1)
-        if self.quant is not None:
-            count += jnp.sum(self.quant.pos >= 0, axis=1)
-        return count.astype(jnp.int32)
+        return sum(jnp.sum(p >= 0, axis=1) for p in self.positions()).astype(jnp.int32)
 
-    # ---- the three steps of an append: admit, read, write ---------------------------------------
-    def admit(self, n: jax.Array) -> jax.Array:
-        """int32[B]: how many of ``n[b]`` new tokens row ``b`` may append (a full cache never overflows)."""
-        n = jnp.asarray(n, jnp.int32)
-        if self.spec.token_limit is not None:
-            n = jnp.clip(n, 0, self.spec.token_limit - self.length)
-        return n
+    # ---- the model contract: begin, attend per layer, commit ------------------------------------
+    def begin(self, n: jax.Array, chunk: int) -> tuple["KVCache", Step]:
+        """Start a model call that appends up to ``n[b]`` of ``chunk`` (T) tokens per row.
 
-    def prepare(self, n: jax.Array) -> "KVCache":
-        """KIVI lazy flush: rows about to append to a full residual quantise it first.
-
-        The residual's R tokens become R/G groups in the quantised ring (evicting the
-        oldest whole groups) and its slots are emptied; codes already stored are never
-        re-quantised. A no-op for float caches.
-        """
-        spec = self.spec
-        if not spec.quantized:
-            return self
-        u0 = self.length - spec.sink
-        flush = (n > 0) & (u0 > 0) & (u0 % spec.residual == 0)
-        q, g = self.quant, spec.group_size
-
-        def quantize(k, v):
-            return (
-                kivi.quantize_keys(k, bits=spec.bits, group_size=g, scale_dtype=spec.scale_dtype),
-                kivi.quantize_values(v, bits=spec.bits, scale_dtype=spec.scale_dtype),
-            )
-
-        # quantise only when some row flushes; the (small, R-token) result is then written
-        # in place with a per-row count of 0 or R, so no step copies the quantised ring
-        shapes = jax.eval_shape(quantize, self.ring_k, self.ring_v)
-        qk, qv = lax.cond(
-            jnp.any(flush), quantize, lambda k, v: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-            self.ring_k, self.ring_v,
-        )
-        start = (u0 - spec.residual) % spec.n_quant  # slot of the residual's first token
-        count = jnp.where(flush, spec.residual, 0)
-        gstart, gcount = start // g, count // g
-        tok = dict(batch_axis=1, slot_axis=3, batch_parallel=self.batch_sharded)
-        quant = QuantRing(
-            k_codes=write_ring(q.k_codes, qk.codes, start, count, **tok),
-            k_scale=write_ring(q.k_scale, qk.scale, gstart, gcount, **tok),
-            k_zero=write_ring(q.k_zero, qk.zero, gstart, gcount, **tok),
-            v_codes=write_ring(q.v_codes, qv.codes, start, count, **tok),
-            v_scale=write_ring(q.v_scale, qv.scale, start, count, **tok),
-            v_zero=write_ring(q.v_zero, qv.zero, start, count, **tok),
-            pos=write_ring(q.pos, self.ring_pos, start, count, batch_axis=0, slot_axis=1, batch_parallel=self.batch_sharded),
-        )
-        return self.replace(quant=quant, ring_pos=jnp.where(flush[:, None], -1, self.ring_pos))
-
-    def query_positions(self, n: jax.Array, chunk: int) -> jax.Array:
-        """int32[B, T]: absolute positions of the next ``chunk`` tokens, -1 beyond ``n[b]``."""
-        j = jnp.arange(chunk, dtype=jnp.int32)[None, :]
-        return jnp.where(j < n[:, None], self.length[:, None] + j, -1)
-
-    def read_view(self, q_pos: jax.Array) -> ReadView:
-        """Positions and RoPE offsets for attending ``q_pos[B, T]`` to this cache plus the chunk.
-
-        In ``positions="cache"`` mode (StreamingLLM §3.2) a key's RoPE position is its rank
-        in the query's retained set. Since only ``rank(q) - rank(p)`` matters, window keys
-        are rotated at ``p - k_shift`` (their exact rank for the chunk's last query) and
-        queries at ``q - k_shift``; sink keys at ``p`` and queries at ``rank(q)``. Each query
-        of a chunk thus sees the ranks of its own retained set. In ``absolute`` mode
-        everything uses absolute positions.
-        """
-        spec = self.spec
-        if spec.positions == "cache":
-            last = jnp.maximum(jnp.max(q_pos, axis=1), 0)
-            k_shift = window_start(spec, last) - spec.sink
-            q_rot = jnp.where(q_pos >= 0, q_pos - k_shift[:, None], 0)
-            q_rot_sink = jnp.where(q_pos >= 0, rank(spec, q_pos), 0)
-        else:
-            k_shift = jnp.zeros_like(self.length)
-            q_rot = q_rot_sink = q_pos
-        return ReadView(
-            q_pos=q_pos,
-            sink_pos=self.sink_pos,
-            ring_pos=self.ring_pos,
-            quant_pos=None if self.quant is None else self.quant.pos,
-            q_rot_sink=q_rot_sink,
-            q_rot=q_rot,
-            k_shift=k_shift,
-        )
-
-    def layer_leaves(self) -> dict:
-        """The per-layer arrays (each with a leading L axis) for ``lax.scan`` over layers
-        (float leaves in their container dtype: read them with :func:`layer_value`)."""
-        leaves = dict(sink_k=self.sink_k, sink_v=self.sink_v, ring_k=self.ring_k, ring_v=self.ring_v)
-        if self.quant is not None:
-            q = self.quant
-            leaves.update(
-                k_codes=q.k_codes, k_scale=q.k_scale, k_zero=q.k_zero,
-                v_codes=q.v_codes, v_scale=q.v_scale, v_zero=q.v_zero,
-            )
-        return leaves
-
-    def append(self, k_new: jax.Array, v_new: jax.Array, n: jax.Array) -> "KVCache":
-        """Write each row's first ``n[b]`` new keys/values and advance its length.
+        Admits what the policy allows (a full cache never overflows), lets the storage
+        flush before anything is read (KIVI: a full residual is quantised first), and
+        computes the positions and RoPE offsets every layer shares.
 
         Args:
-          k_new, v_new: ``[L, B, K, T, H]`` as attention stored them (after RoPE in
-            ``absolute`` mode, before RoPE in ``cache`` mode).
-          n: int32[B] from :meth:`admit`; a row's chunk must not cross the sink/window
-            boundary nor a KIVI flush (``ring.plan_chunk`` guarantees it; decode steps of
-            one token always satisfy it).
+          n: int32[B] tokens offered per row (0 = the row sits this call out).
+          chunk: T, the static chunk length.
+        Returns:
+          ``(cache, step)``: read layers from this cache, pass ``step`` to every
+          :func:`jaxkv.cache.attention.attend` and to :meth:`commit`.
         """
-        spec = self.spec
-        n = jnp.asarray(n, jnp.int32)
-        chunk = k_new.shape[3]
-        pos = self.query_positions(n, chunk)
+        n = self.policy.admit(self.length, n)
+        cache = self.storage.flush_ring(self, n)
+        return cache, cache._step(n, _query_positions(cache.length, n, chunk))
+
+    def _step(self, n, q_pos) -> Step:
+        q_rot_sink, q_rot, k_shift = self.policy.rope_offsets(q_pos)
+        return Step(
+            spec=self.spec, n=n, q_pos=q_pos, sink_pos=self.sink_pos, ring_pos=self.ring_pos,
+            store_pos=None if self.quant is None else self.quant.pos,
+            q_rot_sink=q_rot_sink, q_rot=q_rot, k_shift=k_shift,
+        )
+
+    def layers(self) -> LayerKV:
+        """The per-layer leaves, each with a leading L axis: index one layer with
+        ``jax.tree.map(lambda a: a[l], cache.layers())`` or feed them to ``lax.scan`` as ``xs``."""
+        return LayerKV(
+            sink_k=self.sink_k, sink_v=self.sink_v, ring_k=self.ring_k, ring_v=self.ring_v,
+            store=None if self.quant is None else self.quant.replace(pos=None),
+        )
+
+    def runs(self, step: Step) -> list[tuple[int, int, Step, LayerKV]]:
+        """``[(0, L, step, self.layers())]``: the one run of layers of a uniform cache (see
+        :meth:`jaxkv.cache.layered.LayeredCache.runs`, whose form a model can loop over)."""
+        return [(0, self.n_layers, step, self.layers())]
+
+    def commit(self, step: Step, k_new: jax.Array, v_new: jax.Array) -> "KVCache":
+        """Write each row's first ``step.n[b]`` new keys/values and advance its length.
+
+        Args:
+          step: from :meth:`begin` on this cache.
+          k_new, v_new: ``[L, B, K, T, H]``, the ``k_store``/``v_store`` that
+            :func:`jaxkv.cache.attention.attend` returned for every layer, stacked on L
+            (keys after RoPE in ``absolute`` mode, before RoPE in ``cache`` mode).
+        A row's chunk never crosses the sink/window boundary nor a lazy flush
+        (:meth:`jaxkv.cache.policy.Policy.plan_chunk` guarantees it; decode steps of one
+        token always satisfy it).
+        """
+        spec, n, pos = self.spec, step.n, step.q_pos
         in_sink = self.length < spec.sink
         kv = dict(batch_axis=1, slot_axis=3, batch_parallel=self.batch_sharded)
         pos_axes = dict(batch_axis=0, slot_axis=1, batch_parallel=self.batch_sharded)
-        k_new, v_new = _to_container(k_new, spec), _to_container(v_new, spec)
+        k_new, v_new = self.storage.to_container(k_new), self.storage.to_container(v_new)
         new = {}
         if spec.n_sink:
             ns = jnp.where(in_sink, n, 0)
@@ -304,33 +261,51 @@ class KVCache:
         )
         return self.replace(length=self.length + n, **new)
 
+    # ---- the six-call protocol before the three-call contract (deprecated) ------------------------
+    def admit(self, n: jax.Array) -> jax.Array:
+        """Deprecated: :meth:`begin` admits. int32[B] tokens each row may append."""
+        _deprecated("KVCache.admit")
+        return self.policy.admit(self.length, n)
+
+    def prepare(self, n: jax.Array) -> "KVCache":
+        """Deprecated: :meth:`begin` flushes. The cache after the storage's lazy flush."""
+        _deprecated("KVCache.prepare")
+        return self.storage.flush_ring(self, n)
+
+    def query_positions(self, n: jax.Array, chunk: int) -> jax.Array:
+        """Deprecated: ``step.q_pos`` of :meth:`begin`. int32[B, T] positions, -1 beyond ``n[b]``."""
+        _deprecated("KVCache.query_positions")
+        return _query_positions(self.length, n, chunk)
+
+    def read_view(self, q_pos: jax.Array) -> Step:
+        """Deprecated: the ``step`` of :meth:`begin`, for queries at ``q_pos[B, T]``."""
+        _deprecated("KVCache.read_view")
+        return self._step(jnp.sum(q_pos >= 0, axis=1).astype(jnp.int32), q_pos)
+
+    def layer_leaves(self) -> LayerKV:
+        """Deprecated: :meth:`layers`."""
+        _deprecated("KVCache.layer_leaves", "KVCache.layers")
+        return self.layers()
+
+    def append(self, k_new: jax.Array, v_new: jax.Array, n: jax.Array) -> "KVCache":
+        """Deprecated: :meth:`commit`. Write each row's first ``n[b]`` keys/values ``[L, B, K, T, H]``."""
+        _deprecated("KVCache.append", "KVCache.commit")
+        n = jnp.asarray(n, jnp.int32)
+        return self.commit(self._step(n, _query_positions(self.length, n, k_new.shape[3])), k_new, v_new)
+
+
+def _deprecated(old: str, new: str = "KVCache.begin") -> None:
+    warnings.warn(f"{old} is deprecated: use {new} (docs/custom_models.md, the three-call contract)",
+                  DeprecationWarning, stacklevel=3)
+
 
 def layer_value(x: jax.Array) -> jax.Array:
     """The float values of a sink/window leaf (any slice of it): bf16 storage is held as
     int16 bit patterns (see :class:`KVCache`) and viewed back as bfloat16; others unchanged."""
-    return lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.int16 else x
+    return Storage.read(x)
 
 
-def _to_container(x: jax.Array, spec: CacheSpec) -> jax.Array:
-    """Keys/values in the sink/window storage of ``spec`` (float32 under KIVI), as held."""
-    x = x.astype(jnp.float32 if spec.quantized else STORAGE_DTYPES[spec.kv_quantize])
-    return lax.bitcast_convert_type(x, jnp.int16) if x.dtype == jnp.bfloat16 else x
-
-
-def dequantized(spec: CacheSpec, layer: dict, dtype):
-    """Dequantise one layer's quantised ring (KIVI §3.2) as channel blocks.
-
-    Returns:
-      ``(k_blocks, v_blocks)``: lists of 1 (int8) or ``8 // bits`` arrays
-      ``dtype[B, K, W, H / len]`` whose concatenation along H is the dequantised ring
-      (see ``blocks`` of :func:`jaxkv.cache.kivi.dequantize_affine`).
-    """
-    k = kivi.dequantize_keys(
-        kivi.QuantizedKeys(codes=layer["k_codes"], scale=layer["k_scale"], zero=layer["k_zero"]),
-        bits=spec.bits, group_size=spec.group_size, dtype=dtype, blocks=True,
-    )
-    v = kivi.dequantize_values(
-        kivi.QuantizedValues(codes=layer["v_codes"], scale=layer["v_scale"], zero=layer["v_zero"]),
-        bits=spec.bits, dtype=dtype, blocks=True,
-    )
-    return k, v
+def _query_positions(length, n, chunk: int):
+    """int32[B, T]: positions ``length[b] + j`` of the next ``chunk`` tokens, -1 beyond ``n[b]``."""
+    j = jnp.arange(chunk, dtype=jnp.int32)[None, :]
+    return jnp.where(j < n[:, None], length[:, None] + j, -1)

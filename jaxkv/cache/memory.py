@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from jaxkv.cache.kv import KVCache
+from jaxkv.cache.layered import LayeredCache
 
 GROUPS = ("sinks", "window", "slots", "residual", "codes", "scales_zeros", "bookkeeping")
 
@@ -55,13 +56,15 @@ class MemoryReport:
         return f"cache {format_bytes(self.allocated_bytes)} allocated, {format_bytes(self.live_bytes)} live ({parts})"
 
 
-def memory_report(cache: KVCache) -> MemoryReport:
+def memory_report(cache: KVCache | LayeredCache) -> MemoryReport:
     """Count a cache's bytes from its leaves (host-side; reads the position arrays).
+
+    For a :class:`LayeredCache` the groups sum over its runs of layers, ``tokens_stored``
+    is that of the run holding the most and ``capacity`` that of the largest layer cache.
 
     Returns:
       a :class:`MemoryReport`; ``allocated`` sums to the bytes of every leaf of ``cache``.
     """
-    spec = cache.spec
     allocated = dict.fromkeys(GROUPS, 0)
     live = dict.fromkeys(GROUPS, 0)
 
@@ -71,22 +74,20 @@ def memory_report(cache: KVCache) -> MemoryReport:
         filled = float(np.mean(np.asarray(pos) >= 0)) if pos.size else 0.0
         live[group] += int(round(nbytes * filled))
 
-    if cache.sink_k is not None:
-        add("sinks", [cache.sink_k, cache.sink_v], cache.sink_pos)
-    ring_group = "residual" if spec.quantized else "window" if spec.bounded else "slots"  # slots: a full cache
-    add(ring_group, [cache.ring_k, cache.ring_v], cache.ring_pos)
-    pos_leaves = [cache.length, cache.ring_pos] + ([cache.sink_pos] if cache.sink_pos is not None else [])
-    if cache.quant is not None:
-        q = cache.quant
-        add("codes", [q.k_codes, q.v_codes], q.pos)
-        add("scales_zeros", [q.k_scale, q.k_zero, q.v_scale, q.v_zero], q.pos)
-        pos_leaves.append(q.pos)
-    book = sum(int(x.nbytes) for x in pos_leaves)
+    book = 0
+    for part in getattr(cache, "groups", (cache,)):  # a LayeredCache: every run of layers
+        if part.sink_k is not None:
+            add("sinks", [part.sink_k, part.sink_v], part.sink_pos)
+        add(part.storage.ring_group or part.policy.ring_group, [part.ring_k, part.ring_v], part.ring_pos)
+        if part.quant is not None:
+            for group, leaves, pos in part.storage.memory_groups(part.quant):
+                add(group, leaves, pos)
+        book += sum(int(x.nbytes) for x in [part.length] + part.positions())
     allocated["bookkeeping"] = live["bookkeeping"] = book
     return MemoryReport(
         allocated={k: v for k, v in allocated.items()},
         live=live,
         tokens_stored=tuple(int(x) for x in np.asarray(cache.stored())),
         tokens_seen=tuple(int(x) for x in np.asarray(cache.length)),
-        capacity=spec.capacity,
+        capacity=cache.spec.capacity,
     )

@@ -1,54 +1,15 @@
-"""Ring-buffer arithmetic: which positions a query sees, their RoPE ranks, exact slot writes.
+"""Exact slot writes into ring buffers (DESIGN §2 "Ring buffer").
 
 Everything here is int32 (DESIGN §1: unsigned index dtypes crash jax-metal) and works on
-per-row arrays, so rows of one batch wrap at different steps.
-
-Retained set (DESIGN §2). After token ``q`` is appended, it attends to the sinks
-``{p < S0}`` and the contiguous run ``[window_start(q), q]``:
-
-* full cache: ``window_start = 0``;
-* StreamingLLM, float storage: ``window_start = max(S0, q - W + 1)``;
-* StreamingLLM + KIVI: the last ``W`` flushed tokens plus the residual. The residual is
-  flushed lazily, when it is full and a new token arrives, so after token ``q`` the
-  flushed count is ``F(q) = R * floor((q - S0) / R)`` and ``window_start = S0 + max(0, F(q) - W)``.
+per-row arrays, so rows of one batch wrap at different steps. Which slot a position goes
+to is the policy's business (:mod:`jaxkv.cache.policy`); this module only writes.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-
-from jaxkv.cache.spec import CacheSpec
-
-
-def window_start(spec: CacheSpec, q):
-    """First non-sink position query ``q`` attends to (int32, same shape as ``q``)."""
-    s0 = spec.sink
-    if not spec.bounded:
-        return jnp.zeros_like(q)
-    if spec.quantized:
-        flushed = spec.residual * (jnp.maximum(q - s0, 0) // spec.residual)
-        return s0 + jnp.maximum(flushed - spec.window, 0)
-    return jnp.maximum(s0, q - spec.window + 1)
-
-
-def visible(spec: CacheSpec, q, p):
-    """bool mask: query at position ``q`` attends to key at position ``p`` (``-1`` = empty/padding).
-
-    ``q`` and ``p`` broadcast against each other, e.g. ``q[B, T, 1]`` with ``p[B, 1, S]``.
-    """
-    return (q >= 0) & (p >= 0) & (p <= q) & ((p < spec.sink) | (p >= window_start(spec, q)))
-
-
-def rank(spec: CacheSpec, q):
-    """Rank of query ``q`` in its own retained set (StreamingLLM §3.2 position in the cache).
-
-    Sinks are ranks ``0..S0-1``, then the window oldest first, so ``rank(q) = q`` for
-    ``q < S0`` and ``S0 + q - window_start(q)`` otherwise.
-    """
-    return jnp.where(q < spec.sink, q, spec.sink + q - window_start(spec, q))
 
 
 def write_ring(buf, new, start, n, *, batch_axis: int, slot_axis: int, batch_parallel: bool = False):
@@ -116,27 +77,3 @@ def write_ring(buf, new, start, n, *, batch_axis: int, slot_axis: int, batch_par
         lambda b, buf: row_update(buf, b, start[b], n[b], lax.dynamic_slice_in_dim(padded, b, 1, batch_axis)),
         buf,
     )
-
-
-def plan_chunk(spec: CacheSpec, length: np.ndarray, remaining: np.ndarray, chunk: int) -> np.ndarray:
-    """Host-side: how many tokens each row appends in the next prefill call.
-
-    A chunk never crosses the sink/window boundary, never holds more window tokens than
-    the ring, and under KIVI never crosses a residual flush, so every query of the chunk
-    sees the same quantised groups it would see token by token (DESIGN §2).
-
-    Args:
-      length: int[B], tokens already in each row. remaining: int[B], tokens left to append.
-      chunk: T, the static chunk length of the compiled call (``<= spec.max_chunk``).
-    Returns:
-      int32[B] tokens per row, ``0 <= n <= min(remaining, chunk)``.
-    """
-    length = np.asarray(length, np.int64)
-    n = np.minimum(np.asarray(remaining, np.int64), chunk)
-    s0 = spec.sink
-    in_sink = length < s0
-    n = np.where(in_sink, np.minimum(n, s0 - length), n)
-    if spec.quantized:
-        u = np.maximum(length - s0, 0)
-        n = np.where(in_sink, n, np.minimum(n, spec.residual - u % spec.residual))
-    return n.astype(np.int32)

@@ -8,13 +8,18 @@ and the two RoPE position modes; KIVI (Liu et al. 2024, arXiv 2402.02750, §3-4)
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import numpy as np
+
+from jaxkv.cache.kivi_storage import BITS, KiviStorage
+from jaxkv.cache.policy import POSITION_MODES, FullCache, Policy, StreamingLLM
+from jaxkv.cache.storage import FLOAT_DTYPES, FloatStorage, Storage
 from jaxkv.errors import JaxkvError
 
-FLOAT_MODES = ("fp32", "fp16", "bf16")
-QUANT_MODES = ("int8", "int4", "int2")
+FLOAT_MODES = tuple(FLOAT_DTYPES)
+QUANT_MODES = tuple(BITS)
 KV_MODES = FLOAT_MODES + QUANT_MODES
-POSITION_MODES = ("absolute", "cache")
 SCALE_DTYPES = ("float16", "float32")
 
 
@@ -93,6 +98,23 @@ class CacheSpec:
                         "a flush of the residual must fit in the window"
                     )
 
+    # ---- the typed parts ----------------------------------------------------------------------
+    @functools.cached_property
+    def storage(self) -> Storage:
+        """The :class:`jaxkv.cache.storage.Storage` of ``kv_quantize`` (float or KIVI)."""
+        if self.kv_quantize in QUANT_MODES:
+            return KiviStorage(kind=self.kv_quantize, group_size=self.group_size, residual=self.residual,
+                               scale_dtype=self.scale_dtype)
+        return FloatStorage(kind=self.kv_quantize)
+
+    @functools.cached_property
+    def policy(self) -> Policy:
+        """The :class:`jaxkv.cache.policy.Policy`: a full cache or StreamingLLM sinks + window."""
+        common = dict(sink=self.sink, positions=self.positions, flush=self.storage.flush)
+        if self.window is None:
+            return FullCache(max_len=self.max_len, **common)
+        return StreamingLLM(window=self.window, **common)
+
     # ---- derived sizes (all static Python ints) -------------------------------------------
     @property
     def quantized(self) -> bool:
@@ -102,12 +124,12 @@ class CacheSpec:
     @property
     def bits(self) -> int:
         """Bits per stored code (KIVI modes only)."""
-        return {"int8": 8, "int4": 4, "int2": 2}[self.kv_quantize]
+        return self.storage.bits
 
     @property
     def bounded(self) -> bool:
         """True for a StreamingLLM cache (one with a window)."""
-        return self.window is not None
+        return self.policy.bounded
 
     @property
     def n_sink(self) -> int:
@@ -117,20 +139,12 @@ class CacheSpec:
     @property
     def n_ring(self) -> int:
         """Full-precision ring slots after the sinks: the window (fp modes) or the residual (KIVI)."""
-        if self.quantized:
-            return self.residual
-        return self.window if self.bounded else self.max_len
+        return self.storage.ring_slots(self.policy)
 
     @property
     def n_quant(self) -> int:
         """Token slots of the quantised ring (0 for fp modes); a multiple of group_size."""
-        if not self.quantized:
-            return 0
-        if self.bounded:
-            return self.window
-        # lazy flush: after the last admitted position max_len - 1, R * floor((max_len - 1) / R)
-        # tokens have been flushed, the rest sit in the residual
-        return self.residual * max(1, (self.max_len - 1) // self.residual)
+        return self.storage.store_slots(self.policy)
 
     @property
     def capacity(self) -> int:
@@ -140,7 +154,7 @@ class CacheSpec:
     @property
     def token_limit(self) -> int | None:
         """Most tokens a row may append (full caches), None when unbounded (StreamingLLM)."""
-        return None if self.bounded else self.max_len
+        return self.policy.token_limit
 
     @property
     def max_chunk(self) -> int:
@@ -150,7 +164,77 @@ class CacheSpec:
     def describe(self) -> str:
         """One-line human description, e.g. ``sink 4 + window 252, int4 (G=32, R=128), absolute``."""
         shape = f"sink {self.sink} + window {self.window}" if self.bounded else f"full {self.max_len}"
-        quant = self.kv_quantize
-        if self.quantized:
-            quant += f" (G={self.group_size}, R={self.residual})"
-        return f"{shape}, {quant}, positions={self.positions}"
+        return f"{shape}, {self.storage.describe()}, positions={self.positions}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpecs:
+    """Per-layer cache specs: layer ``l`` keeps and stores tokens as ``specs[l]`` says.
+
+    For a model whose layers need different caches: a local sliding-window layer beside
+    a global one, more bits for sensitive layers. A single :class:`CacheSpec` still means
+    "the same for every layer". Consecutive layers with equal specs form one *run*, stored
+    as one :class:`jaxkv.cache.kv.KVCache` (its layers stacked on L) inside a
+    :class:`jaxkv.cache.layered.LayeredCache`. Every layer appends the same tokens: a call
+    admits the fewest any layer's policy allows, and a prefill chunk respects every
+    layer's plan (:meth:`plan_chunk`).
+
+    Attributes:
+      specs: one :class:`CacheSpec` per layer (hashable tuple).
+    Raises:
+      JaxkvError: an empty tuple or an entry that is not a CacheSpec.
+    """
+
+    specs: tuple
+
+    def __post_init__(self):
+        if not isinstance(self.specs, tuple) or not self.specs or not all(isinstance(s, CacheSpec) for s in self.specs):
+            raise JaxkvError(f"LayerSpecs.specs={self.specs!r}: expected a non-empty tuple of CacheSpec, one per layer")
+
+    @property
+    def runs(self) -> tuple:
+        """``((spec, first layer, end layer), ...)``: maximal runs of consecutive equal specs."""
+        out, start = [], 0
+        for i in range(1, len(self.specs) + 1):
+            if i == len(self.specs) or self.specs[i] != self.specs[start]:
+                out.append((self.specs[start], start, i))
+                start = i
+        return tuple(out)
+
+    @property
+    def policy(self) -> "LayerSpecs":
+        """The joint admission and chunk plan of every layer's policy (this object)."""
+        return self
+
+    # ---- what every layer allows (static ints, host plans, traced admission) ------------------
+    @property
+    def token_limit(self) -> int | None:
+        limits = [s.token_limit for s in self.specs if s.token_limit is not None]
+        return min(limits) if limits else None
+
+    @property
+    def max_chunk(self) -> int:
+        return min(s.max_chunk for s in self.specs)
+
+    @property
+    def capacity(self) -> int:
+        """Token slots of the largest layer cache."""
+        return max(s.capacity for s in self.specs)
+
+    @property
+    def bounded(self) -> bool:
+        return all(s.bounded for s in self.specs)
+
+    def admit(self, length, n):
+        """int32[B]: the fewest of ``n[b]`` tokens any layer's policy admits."""
+        for spec, _, _ in self.runs:
+            n = spec.policy.admit(length, n)
+        return n
+
+    def plan_chunk(self, length, remaining, chunk: int):
+        """Host-side: the fewest tokens any layer's policy plans (see :meth:`Policy.plan_chunk`)."""
+        return np.min([spec.policy.plan_chunk(length, remaining, chunk) for spec, _, _ in self.runs], axis=0)
+
+    def describe(self) -> str:
+        return "; ".join(f"layers {a}-{b - 1}: {s.describe()}" if b - a > 1 else f"layer {a}: {s.describe()}"
+                         for s, a, b in self.runs)

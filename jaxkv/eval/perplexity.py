@@ -1,7 +1,7 @@
 """Teacher-forced perplexity through the KV cache, and the sliding-window recomputation oracle.
 
 :func:`token_nll` streams a text through a :class:`~jaxkv.cache.spec.CacheSpec` cache in
-planned chunks (``ring.plan_chunk``: a chunk never crosses the sink boundary nor a KIVI
+planned chunks (``Policy.plan_chunk``: a chunk never crosses the sink boundary nor a KIVI
 flush), so every token's negative log-likelihood is computed with exactly what the cache
 holds at that moment: the same numbers as feeding the text one token at a time (DESIGN
 §2), at the speed of chunked prefill. This is what the prior Swift implementation could
@@ -33,7 +33,6 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxkv.cache.kv import KVCache
-from jaxkv.cache.ring import plan_chunk
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.errors import CacheFullError, JaxkvError
 from jaxkv.models import LoadedModel
@@ -119,7 +118,7 @@ def token_nll(
     """Teacher-forced negative log-likelihood of every token after the first, through a KV cache.
 
     The text is one stream (batch of one row) appended to a fresh cache in chunks planned
-    by :func:`jaxkv.cache.ring.plan_chunk`, so each query attends to exactly its retained
+    by :meth:`jaxkv.cache.policy.Policy.plan_chunk`, so each query attends to exactly its retained
     set (sinks, window, KIVI residual and quantised groups) as token-by-token decoding
     would: a StreamingLLM or KIVI cache is evaluated as it would be used, not simulated.
     Every chunk is padded to one static length T, so the step compiles once per
@@ -167,7 +166,7 @@ def token_nll(
 
         pending, i = None, 0
         while i < n_in:
-            n = int(plan_chunk(spec, np.array([i]), np.array([n_in - i]), t)[0])
+            n = int(spec.policy.plan_chunk(np.array([i]), np.array([n_in - i]), t)[0])
             if n < 1:  # plan_chunk always makes progress; guard against an infinite loop
                 raise AssertionError(f"plan_chunk planned 0 tokens at length {i} for {spec.describe()}")
             buf = np.zeros((2, t), np.int32)

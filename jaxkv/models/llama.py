@@ -8,6 +8,8 @@ Weight names and layouts are those of :mod:`jaxkv.models.config`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,12 +99,10 @@ class Llama(nnx.Module):
         """See :func:`forward`."""
         c = self.config
         b, t = tokens.shape
-        n = cache.admit(n)
-        cache = cache.prepare(n)
-        view = cache.read_view(cache.query_positions(n, t))
+        cache, step = cache.begin(n, t)
         x = jnp.take(self.embed[...], tokens, axis=0)
 
-        def layer(x, xs):
+        def layer(step, x, xs):
             w, kv = xs
             h = rms_norm(x, w["attn_norm"], c.norm_eps)
             q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
@@ -111,7 +111,7 @@ class Llama(nnx.Module):
             q = q.reshape(b, t, c.n_heads, c.head_dim)
             k = k.reshape(b, t, c.n_kv_heads, c.head_dim)
             v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
-            out, k_store, v_store = attend(cache.spec, view, kv, q, k, v, theta=c.rope_theta)
+            out, k_store, v_store = attend(step, kv, q, k, v, theta=c.rope_theta)
             x = x + out.reshape(b, t, c.n_heads * c.head_dim) @ w["wo"]
             h = rms_norm(x, w["mlp_norm"], c.norm_eps)
             x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
@@ -119,10 +119,15 @@ class Llama(nnx.Module):
 
         names = LAYER_WEIGHTS + (BIAS_WEIGHTS if c.attention_bias else ())
         weights = {name: getattr(self, name)[...] for name in names}
-        x, (k_new, v_new) = lax.scan(layer, x, (weights, cache.layer_leaves()))
-        cache = cache.append(k_new, v_new, n)
+        k_new, v_new = [], []
+        for first, end, run_step, run_layers in cache.runs(step):  # one run unless per-layer specs
+            run_weights = weights if (first, end) == (0, c.n_layers) else jax.tree.map(lambda a: a[first:end], weights)
+            x, (k_run, v_run) = lax.scan(functools.partial(layer, run_step), x, (run_weights, run_layers))
+            k_new.append(k_run)
+            v_new.append(v_run)
+        cache = cache.commit(step, jnp.concatenate(k_new), jnp.concatenate(v_new))
         if last_only:  # the last appended token of each row
-            idx = jnp.maximum(n - 1, 0)[:, None, None]
+            idx = jnp.maximum(step.n - 1, 0)[:, None, None]
             x = jnp.take_along_axis(x, jnp.broadcast_to(idx, (b, 1, x.shape[-1])), axis=1)
         x = rms_norm(x, self.final_norm[...], c.norm_eps)
         head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]

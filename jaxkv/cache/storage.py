@@ -1,0 +1,99 @@
+"""Cache storages: how the kept keys and values are held, written, read and counted.
+
+A *storage* is the second extension axis of the cache (the first is the *policy*,
+:mod:`jaxkv.cache.policy`). Every storage holds the sinks and a full-precision ring
+(``sink_k/v``, ``ring_k/v`` of :class:`jaxkv.cache.kv.KVCache`) in its *container* dtype,
+and may add a compressed store of its own (the ``quant`` leaf of the cache: a pytree the
+storage defines, stacked on L, with one ``pos`` array per row). A storage owns:
+
+* the container dtype of the full-precision leaves and how to read them back
+  (:meth:`Storage.to_container`, :meth:`Storage.read`);
+* the sizes: ring slots and compressed slots for a policy (:meth:`Storage.ring_slots`,
+  :meth:`Storage.store_slots`), the lazy-flush period the policy must respect
+  (:attr:`Storage.flush`);
+* its compressed store: creation, the flush of the ring into it before a write
+  (:meth:`Storage.flush_ring`), reads as channel blocks for attention
+  (:meth:`Storage.segments`) and byte accounting (:meth:`Storage.memory_groups`).
+
+Adding a storage (e.g. separate key/value precision, a rotation before quantising) means
+one new class with these methods and one line in :attr:`jaxkv.cache.spec.CacheSpec.storage`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+FLOAT_DTYPES = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """Common part of every storage (frozen, hashable). Subclasses set :attr:`kind`."""
+
+    kind: str = "fp32"
+    flush = 0  # lazy-flush period in tokens (0: every token is written straight into the ring)
+
+    # ---- full-precision leaves (sinks, ring) -----------------------------------------------------
+    @property
+    def float_dtype(self):
+        """The float dtype of sinks and ring."""
+        return jnp.float32
+
+    def to_container(self, x):
+        """Keys/values ``[..., H]`` as the sink/ring leaves hold them: ``float_dtype``, with
+        bfloat16 held as int16 bit patterns (XLA CPU converts a whole bfloat16 operand to
+        float32 for a slice or an update, which would copy the cache at every step; as int16
+        the per-layer reads and in-place writes stay what they are for fp16; same bytes)."""
+        x = x.astype(self.float_dtype)
+        return lax.bitcast_convert_type(x, jnp.int16) if x.dtype == jnp.bfloat16 else x
+
+    @staticmethod
+    def read(x):
+        """The float values of a sink/ring leaf (any slice of it), undoing :meth:`to_container`."""
+        return lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.int16 else x
+
+    # ---- sizes -------------------------------------------------------------------------------------
+    def ring_slots(self, policy) -> int:
+        """Full-precision ring slots after the sinks: the window, or a full cache's ``max_len``."""
+        return policy.window if policy.bounded else policy.max_len
+
+    def store_slots(self, policy) -> int:
+        """Token slots of the compressed store (0: none)."""
+        return 0
+
+    # ---- the compressed store (none for float storage) ---------------------------------------------
+    def check(self, head_dim: int) -> None:
+        """Raise :class:`jaxkv.errors.JaxkvError` if ``head_dim`` cannot be stored."""
+
+    def create_store(self, policy, *, lbk: tuple, head_dim: int, batch: int):
+        """An empty compressed store (a pytree with a ``pos`` leaf, or None)."""
+        return None
+
+    def flush_ring(self, cache, n):
+        """The cache after rows about to append ``n[b] > 0`` tokens moved a full ring into the store."""
+        return cache
+
+    def segments(self, store, pos, dtype) -> list:
+        """One layer of the store as attention segments ``[(key blocks, value blocks, pos)]``."""
+        return []
+
+    def memory_groups(self, store) -> list:
+        """``[(group, leaves, pos)]`` of the store for the memory report."""
+        return []
+
+    ring_group = None  # memory group of the ring if the storage names it (else the policy's)
+
+    def describe(self) -> str:
+        return self.kind
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatStorage(Storage):
+    """Sinks and window in fp32, fp16 or bf16 (``kind``); no compressed store."""
+
+    @property
+    def float_dtype(self):
+        return FLOAT_DTYPES[self.kind]

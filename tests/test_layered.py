@@ -1,0 +1,108 @@
+"""Per-layer cache specs (``LayerSpecs``, ``LayeredCache``): runs of layers with their own caches.
+
+A layer's cache only changes what *that* layer attends to, so with specs ``(A, B)`` the
+first layer sees exactly the inputs it sees under a uniform ``A`` cache: its run must hold
+bit-identical leaves. Chunked prefill must equal token-by-token decoding (every run's
+chunk plan is respected), and equal specs must reproduce a uniform cache exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_model
+from jaxkv import CacheSpec, JaxkvError, KVCache, LayerSpecs, forward, generate, memory_report
+from jaxkv.cache.layered import LayeredCache
+from jaxkv.models import LoadedModel
+
+STEP = jax.jit(forward, static_argnums=0, donate_argnames="cache")
+WINDOW = CacheSpec(sink=2, window=6)
+KIVI = CacheSpec(sink=2, window=8, kv_quantize="int4", group_size=2, residual=4, positions="cache")
+FULL = CacheSpec(max_len=64)
+
+
+def run(spec, tokens, chunk=1):
+    """Logits float32[T, V] of ``tokens`` streamed in chunks planned by the cache, and the cache."""
+    model = tiny_model()[0]
+    c = model.config
+    gd, st = nnx.split(model)
+    cache = KVCache.create(spec, batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+    rows, i = [], 0
+    while i < len(tokens):
+        n = int(spec.policy.plan_chunk(np.asarray(cache.length), np.asarray([len(tokens) - i]), chunk)[0])
+        buf = np.zeros((1, chunk), np.int32)
+        buf[0, :n] = tokens[i : i + n]
+        logits, cache = STEP(gd, st, jnp.asarray(buf), jnp.asarray([n], jnp.int32), cache)
+        rows.append(np.asarray(logits[0, :n]))
+        i += n
+    return np.concatenate(rows), cache
+
+
+TOKENS = list(np.random.default_rng(0).integers(0, 64, 40))
+
+
+@pytest.mark.parametrize("spec", [WINDOW, KIVI])
+def test_equal_specs_reproduce_a_uniform_cache(spec):
+    uniform, _ = run(spec, TOKENS)
+    layered, cache = run(LayerSpecs((spec, spec)), TOKENS)
+    assert isinstance(cache, LayeredCache) and len(cache.groups) == 1
+    np.testing.assert_array_equal(layered, uniform)
+
+
+@pytest.mark.parametrize("first,second", [(WINDOW, FULL), (FULL, WINDOW), (KIVI, WINDOW)])
+def test_each_run_keeps_its_own_spec(first, second):
+    _, uniform = run(first, TOKENS)
+    logits, cache = run(LayerSpecs((first, second)), TOKENS)
+    assert [g.spec for g in cache.groups] == [first, second]
+    # layer 0 sees the same inputs as under a uniform `first` cache: identical leaves
+    for a, b in zip(jax.tree.leaves(cache.groups[0]), jax.tree.leaves(uniform)):
+        if a.ndim >= 4:  # per-layer leaves [L, B, ...]: the uniform cache's layer 0
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[:1])
+        else:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # each run stores what a uniform cache of its spec stores
+    stored = [int(g.stored()[0]) for g in cache.groups]
+    expected = [int(run(s, TOKENS)[1].stored()[0]) for s in (first, second)]
+    assert stored == expected and expected[0] != expected[1]
+    assert int(cache.stored()[0]) == max(expected)
+    # different from both uniform runs once the window has evicted tokens
+    assert not np.allclose(logits, run(second, TOKENS)[0])
+
+
+@pytest.mark.parametrize("first,second", [(WINDOW, FULL), (KIVI, WINDOW)])
+def test_chunked_prefill_equals_token_by_token(first, second):
+    spec = LayerSpecs((first, second))
+    np.testing.assert_allclose(run(spec, TOKENS, chunk=8)[0], run(spec, TOKENS)[0], atol=1e-5)
+
+
+def test_memory_report_sums_the_runs():
+    spec = LayerSpecs((WINDOW, KIVI))
+    _, cache = run(spec, TOKENS[:20])
+    report = memory_report(cache)
+    assert report.allocated_bytes == sum(int(x.nbytes) for x in jax.tree.leaves(cache))
+    assert report.allocated["sinks"] and report.allocated["window"] and report.allocated["codes"]
+    assert report.capacity == max(WINDOW.capacity, KIVI.capacity)
+
+
+def test_generate_with_equal_layer_specs_matches_one_spec():
+    model, _, _ = tiny_model()
+    loaded = LoadedModel(config=model.config, model=model, tokenizer=None)
+    prompts = [[1, 5, 9, 3], [2, 7]]
+    one = generate(loaded, prompts, max_new_tokens=30, cache=WINDOW, eos_id=None)
+    layered = generate(loaded, prompts, max_new_tokens=30, cache=LayerSpecs((WINDOW, WINDOW)), eos_id=None)
+    assert layered.token_ids == one.token_ids
+
+
+def test_bad_layer_specs_are_named():
+    with pytest.raises(JaxkvError, match="non-empty tuple of CacheSpec"):
+        LayerSpecs([WINDOW])
+    with pytest.raises(JaxkvError, match="n_layers=3"):
+        KVCache.create(LayerSpecs((WINDOW, FULL)), batch=1, n_layers=3, n_kv_heads=2, head_dim=8)
+    assert LayerSpecs((WINDOW, WINDOW, FULL)).describe() == (
+        f"layers 0-1: {WINDOW.describe()}; layer 2: {FULL.describe()}"
+    )
+    assert LayerSpecs((WINDOW, FULL)).token_limit == 64 and LayerSpecs((WINDOW, KIVI)).token_limit is None
