@@ -387,7 +387,7 @@ def test_raw_safetensors_reader_matches_safetensors(tmp_path):
 
 def test_from_hf_reads_mistral_head_dim_and_rope_parameters():
     from jaxkv.errors import JaxkvError
-    from jaxkv.models.config import LlamaConfig
+    from jaxkv.models.llama import LlamaConfig
 
     c = LlamaConfig.from_hf(dict(architectures=["MistralForCausalLM"], hidden_size=64, intermediate_size=96,
                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32,

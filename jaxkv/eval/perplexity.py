@@ -36,8 +36,8 @@ from jaxkv.cache.kv import KVCache
 from jaxkv.cache.ring import plan_chunk
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.errors import CacheFullError, JaxkvError
-from jaxkv.models import LoadedModel
-from jaxkv.models.llama import forward
+from jaxkv.io import LoadedModel
+from jaxkv.models.step import forward
 
 DEFAULT_EDGES = (0, 512, 1024, 2048, 4096, 8192)
 
