@@ -28,9 +28,11 @@ class Format:
       tensors: internal weight name -> the tensor's name in the file; ``{i}`` stands for
         the layer index of a per-layer weight stored one tensor per layer.
       linear: internal names of the weights stored ``(out, in)``, transposed to ``x @ W``.
-      interleaved: internal names of the Q/K weights stored in the interleaved-pair RoPE
-        layout -> the config attribute holding their head count (they are permuted to
-        rotate-half at load; see :func:`jaxkv.models.blocks.interleaved_to_rotate_half`).
+      interleaved: llama2.c and GGUF: internal names of the Q/K weights stored in the
+        interleaved-pair RoPE layout -> the config attribute holding their head count
+        (permuted to rotate-half at load; see
+        :func:`jaxkv.models.blocks.interleaved_to_rotate_half`). Hugging Face checkpoints
+        are rotate-half already.
       architectures: the names in the file that select this family (HF ``architectures``
         entries; GGUF ``general.architecture`` values).
       model_types: HF only: ``config.json`` ``model_type`` values that select it when
