@@ -15,9 +15,9 @@ from jaxkv.cache.memory import MemoryReport, memory_report
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.chat import ChatSession
 from jaxkv.errors import CacheFullError, JaxkvError, ModelFileError
-from jaxkv.models import LoadedModel, load_model
-from jaxkv.models.config import LlamaConfig
-from jaxkv.models.llama import Llama, forward
+from jaxkv.io import LoadedModel, load_model
+from jaxkv.models.llama import Llama, LlamaConfig
+from jaxkv.models.step import forward
 from jaxkv.sampling import BatchGeneration, Generation, Sampler, decode, generate, prefill, sample
 
 __all__ = [

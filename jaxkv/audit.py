@@ -154,8 +154,7 @@ def mode_spec(kv_quantize: str, kind: str, positions: str):
 def _tiny_model():
     from flax import nnx
 
-    from jaxkv.models.config import LlamaConfig
-    from jaxkv.models.llama import Llama
+    from jaxkv.models.llama import Llama, LlamaConfig
 
     config = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48)
     return Llama(config, rngs=nnx.Rngs(0))
@@ -180,7 +179,7 @@ def audit_cache_mode(spec, model=None, *, batch: int = 2, chunk: int = 4, sample
     from flax import nnx
 
     from jaxkv.cache.kv import KVCache
-    from jaxkv.models.llama import forward
+    from jaxkv.models.step import forward
     from jaxkv.sampling import Sampler, _decode_block, _LoopState
 
     model = model if model is not None else _tiny_model()

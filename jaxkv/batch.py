@@ -36,7 +36,7 @@ from typing import Any
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.errors import JaxkvError
-from jaxkv.models import LoadedModel
+from jaxkv.io import LoadedModel
 
 SEED_LIMIT = 2**32
 CacheChoice = CacheSpec | Callable[[int], CacheSpec] | None

@@ -39,9 +39,8 @@ from flax import nnx
 from jaxkv.cache.memory import memory_report
 from jaxkv.cache.spec import KV_MODES, QUANT_MODES, CacheSpec
 from jaxkv.errors import JaxkvError
-from jaxkv.models import LoadedModel, load_model
-from jaxkv.models.config import LlamaConfig
-from jaxkv.models.llama import Llama
+from jaxkv.io import LoadedModel, load_model
+from jaxkv.models.llama import Llama, LlamaConfig
 from jaxkv.sampling import generate
 
 KIVI = {"group_size": 32, "residual": 32}

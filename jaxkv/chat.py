@@ -64,9 +64,8 @@ from jaxkv.cache.kv import KVCache
 from jaxkv.cache.memory import format_bytes, memory_report
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.errors import CacheFullError, JaxkvError
-from jaxkv.models import LoadedModel
-from jaxkv.models.config import LlamaConfig
-from jaxkv.models.llama import weight_shapes
+from jaxkv.io import LoadedModel
+from jaxkv.models.llama import LlamaConfig, weight_shapes
 from jaxkv.sampling import Sampler, decode, prefill, text_stream
 
 FILE_FORMAT = "jaxkv-chat/2"  # 2: KIVI codes in the split-half bit layout
@@ -642,7 +641,7 @@ def run_cli(args) -> None:
     left out mean greedy / seed 0 for a new session and the saved ones for a resumed one.
     """
     from jaxkv.cli import cache_spec_from_args
-    from jaxkv.models import load_model
+    from jaxkv.io import load_model
 
     if args.tokens < 1:
         raise JaxkvError(f"--tokens {args.tokens}: expected an integer >= 1")

@@ -49,7 +49,7 @@ def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0):
 
 
 def _sample(args) -> None:
-    from jaxkv.models import load_model
+    from jaxkv.io import load_model
     from jaxkv.sampling import Sampler, sample
 
     Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # validate before loading
@@ -111,7 +111,7 @@ def _ppl(args) -> None:
     import numpy as np
 
     from jaxkv.eval.perplexity import perplexity, perplexity_by_range, recompute_nll, token_nll
-    from jaxkv.models import load_model
+    from jaxkv.io import load_model
 
     if args.tokens is not None and args.tokens < 2:
         raise JaxkvError(f"--tokens {args.tokens}: expected an integer >= 2 (one token to condition on, one to score)")
@@ -181,7 +181,7 @@ def _batch(args) -> None:
 
     from jaxkv import parallel
     from jaxkv.batch import run_file
-    from jaxkv.models import load_model
+    from jaxkv.io import load_model
     from jaxkv.sampling import Sampler
 
     Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # validate before loading

@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.cache.kv import KVCache
 from jaxkv.errors import JaxkvError
-from jaxkv.models import LoadedModel
+from jaxkv.io import LoadedModel
 
 AXES = ("data", "kv")
 SHARD_MODES = ("data", "data,kv")

@@ -24,8 +24,8 @@ from jaxkv.cache.kv import KVCache
 from jaxkv.cache.memory import MemoryReport, memory_report
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.errors import CacheFullError, JaxkvError
-from jaxkv.models import LoadedModel, load_model
-from jaxkv.models.llama import forward
+from jaxkv.io import LoadedModel, load_model
+from jaxkv.models.step import forward
 
 FINISH_REASONS = ("running", "eos", "length", "cache_full")
 _RUNNING, _EOS, _LENGTH, _CACHE_FULL = range(4)

@@ -52,8 +52,7 @@ TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim
 @functools.lru_cache(maxsize=None)
 def tiny_model(seed: int = 0, **overrides):
     """A small random GQA Llama (N=4 query heads over K=2 KV heads) and its numpy weights."""
-    from jaxkv.models.config import LlamaConfig
-    from jaxkv.models.llama import Llama, weight_shapes
+    from jaxkv.models.llama import Llama, LlamaConfig, weight_shapes
 
     config = LlamaConfig(**{**TINY, **overrides})
     model = Llama(config, rngs=nnx.Rngs(seed))

@@ -58,7 +58,7 @@ class RefDecoder:
     """Token-by-token Llama decoding over an explicitly simulated retained set.
 
     Args:
-      weights: internal-layout float arrays (see jaxkv.models.config) or, with
+      weights: internal-layout float arrays (see jaxkv.models.llama) or, with
         ``rope_layout="interleaved"``, the same with Q/K in llama2.c's pair layout.
       cfg: dict with n_heads, n_kv_heads, head_dim, theta, eps, tie.
       sink, window: StreamingLLM sizes (window None = keep everything).

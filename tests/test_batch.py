@@ -25,7 +25,7 @@ from jaxkv import CacheSpec, generate, sample
 from jaxkv.batch import Row, parse_requests, padded_batch_size, plan_batches, run_rows, write_jsonl_atomic
 from jaxkv.cache.ring import write_ring
 from jaxkv.cli import main
-from jaxkv.models import LoadedModel
+from jaxkv.io import LoadedModel
 
 FP = CacheSpec(sink=4, window=60)
 INT4 = CacheSpec(sink=4, window=64, kv_quantize="int4", group_size=16, residual=16)
@@ -103,7 +103,7 @@ SHARDED = textwrap.dedent(
     from conftest import tiny_model
     from jaxkv import CacheSpec, KVCache, parallel
     from jaxkv.batch import Row, run_rows
-    from jaxkv.models import LoadedModel
+    from jaxkv.io import LoadedModel
     from jaxkv.sampling import Sampler, _LoopState, _decode_block
 
     assert jax.device_count() == 4, jax.devices()

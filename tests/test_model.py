@@ -132,6 +132,6 @@ def test_config_presets_match_the_real_checkpoints(stories, smollm2_config):
 def smollm2_config():
     """SmolLM2's config from its GGUF metadata alone (no weights loaded)."""
     from jaxkv.io.gguf_loader import _metadata, _open
-    from jaxkv.models.config import LlamaConfig
+    from jaxkv.models.llama import LlamaConfig
 
     return LlamaConfig.from_gguf(_metadata(_open(SMOLLM2, "smollm2"), "smollm2"), tie_embeddings=True, name="x")

@@ -23,7 +23,7 @@ from jaxkv import CacheFullError, CacheSpec, JaxkvError, KVCache, forward
 from jaxkv.cli import main
 from jaxkv.eval import perplexity, perplexity_by_range, recompute_nll, token_nll
 from jaxkv.eval.perplexity import _nll_chunk, recompute_contexts
-from jaxkv.models import LoadedModel
+from jaxkv.io import LoadedModel
 
 
 def tiny_loaded() -> LoadedModel:

@@ -16,7 +16,7 @@ from flax import nnx
 from conftest import decode_loop_hlo, materialised_buffers, ref_kwargs, tiny_model
 from reference import RefDecoder
 from jaxkv import CacheSpec, CacheFullError, JaxkvError, KVCache, forward, prefill, sample
-from jaxkv.models import LoadedModel
+from jaxkv.io import LoadedModel
 
 PAIRS = [(0, 8), (4, 8), (4, 13), (1, 1), (2, 64)]
 

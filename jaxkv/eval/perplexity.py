@@ -35,8 +35,8 @@ from tqdm.auto import tqdm
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.errors import CacheFullError, JaxkvError
-from jaxkv.models import LoadedModel
-from jaxkv.models.llama import forward
+from jaxkv.io import LoadedModel
+from jaxkv.models.step import forward
 
 DEFAULT_EDGES = (0, 512, 1024, 2048, 4096, 8192)
 
@@ -126,7 +126,7 @@ def token_nll(
     step, so only ``float32[1, T]`` comes back to the host per chunk.
 
     Args:
-      model: a :class:`~jaxkv.models.LoadedModel` (only ``model.model`` and ``model.config`` are used).
+      model: a :class:`~jaxkv.io.LoadedModel` (only ``model.model`` and ``model.config`` are used).
       tokens: N int token ids, N >= 2 (usually starting with BOS).
       cache: the cache to evaluate; None = a full fp32 cache of ``max_len = N`` slots.
       chunk: tokens per compiled call (capped at ``cache.max_chunk``, rounded to a power of
@@ -226,7 +226,7 @@ def recompute_nll(
     cache of ``T = min(S0 + W, N - 1)`` slots (one compile per T and batch).
 
     Args:
-      model: a :class:`~jaxkv.models.LoadedModel`.
+      model: a :class:`~jaxkv.io.LoadedModel`.
       tokens: N >= 2 token ids.
       window: W >= 1, context tokens re-encoded per prediction (after the sinks).
       sink: S0 >= 0, first tokens always in the context.

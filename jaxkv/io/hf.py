@@ -10,54 +10,37 @@ A folder as ``huggingface-cli download`` or ``save_pretrained`` leaves it::
     chat_template.jinja               optional: the chat template (newer transformers)
     generation_config.json            optional: eos_token_id
 
-Supported architectures: ``LlamaForCausalLM`` (Llama, SmolLM2, TinyLlama),
-``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (see :meth:`LlamaConfig.from_hf`).
+Supported architectures: those of :mod:`jaxkv.io.registry` (``config.json``
+``architectures`` selects the family): ``LlamaForCausalLM`` (Llama, SmolLM2, TinyLlama),
+``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (see
+:meth:`jaxkv.models.llama.LlamaConfig.from_hf`).
 
-Conversion to the internal layout of :mod:`jaxkv.models.config`: HF linear weights are
-``(out, in)`` and are transposed to ``x @ W``; per-layer tensors are stacked on a leading
-L axis; bf16/fp16 tensors (read through ``safetensors``' numpy API, bf16 as an
-``ml_dtypes`` array) become float32. HF stores Q/K in the rotate-half RoPE layout, which is
-jaxkv's internal convention, so Q/K rows are *not* permuted (llama2.c and GGUF files,
-interleaved-pair, are permuted by their loaders instead).
+Conversion to the family's internal layout (for Llama: :mod:`jaxkv.models.llama`): the
+family names each tensor; HF linear weights are ``(out, in)`` and are transposed to
+``x @ W``; per-layer tensors are stacked on a leading L axis; bf16/fp16 tensors (read
+through ``safetensors``' numpy API, bf16 as an ``ml_dtypes`` array) become float32. HF
+stores Q/K in the rotate-half RoPE layout, which is jaxkv's internal convention, so Q/K
+rows are *not* permuted (llama2.c and GGUF files, interleaved-pair, are permuted by their
+loaders instead). A bias tensor the family does not read is refused.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
 from jaxkv.errors import JaxkvError, ModelFileError
+from jaxkv.io import registry
 from jaxkv.io.tokenizer import Tokenizer, _HFBackend
-from jaxkv.models.config import LlamaConfig
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-
-# internal name -> HF tensor name ("{i}" = layer), and whether it is a linear (out, in) matrix
-_GLOBAL = {
-    "embed": ("model.embed_tokens.weight", False),
-    "final_norm": ("model.norm.weight", False),
-    "lm_head": ("lm_head.weight", True),
-}
-_LAYER = {
-    "attn_norm": ("model.layers.{i}.input_layernorm.weight", False),
-    "wq": ("model.layers.{i}.self_attn.q_proj.weight", True),
-    "wk": ("model.layers.{i}.self_attn.k_proj.weight", True),
-    "wv": ("model.layers.{i}.self_attn.v_proj.weight", True),
-    "wo": ("model.layers.{i}.self_attn.o_proj.weight", True),
-    "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
-    "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", True),
-    "w_up": ("model.layers.{i}.mlp.up_proj.weight", True),
-    "w_down": ("model.layers.{i}.mlp.down_proj.weight", True),
-    "bq": ("model.layers.{i}.self_attn.q_proj.bias", False),
-    "bk": ("model.layers.{i}.self_attn.k_proj.bias", False),
-    "bv": ("model.layers.{i}.self_attn.v_proj.bias", False),
-}
 
 # safetensors dtype codes -> numpy dtypes, for files the installed safetensors cannot read as numpy
 _RAW_DTYPES = {
@@ -142,16 +125,17 @@ def _shards(folder: str) -> dict[str, _Shard]:
     raise ModelFileError(f"{folder}: no {SINGLE} and no {INDEX}{hint}")
 
 
-def load_hf_weights(folder: str, config: LlamaConfig) -> dict[str, np.ndarray]:
-    """Read every weight of ``config`` into the internal layout (float32, ``x @ W``, stacked on L).
+def load_hf_weights(folder: str, config) -> dict[str, np.ndarray]:
+    """Read every weight of ``config``'s family into its internal layout (float32, ``x @ W``,
+    per-layer weights stacked on L).
 
     Raises:
-      ModelFileError: a missing shard or tensor, or a tensor of the wrong shape (named).
+      ModelFileError: a missing shard or tensor, a tensor of the wrong shape, or a bias
+        tensor the family does not read (named).
     """
-    from jaxkv.models.llama import weight_shapes
-
+    family = registry.family_of(config)
+    fmt = family.hf
     where = _shards(folder)
-    shapes = weight_shapes(config)
 
     def read(hf_name: str, matrix: bool, shape: tuple[int, ...]) -> np.ndarray:
         shard = where.get(hf_name)
@@ -165,21 +149,21 @@ def load_hf_weights(folder: str, config: LlamaConfig) -> dict[str, np.ndarray]:
             )
         return (a.T if matrix else a).astype(np.float32)
 
-    weights = {}
-    for name, shape in shapes.items():
-        if name in _GLOBAL:
-            hf_name, matrix = _GLOBAL[name]
-            weights[name] = np.ascontiguousarray(read(hf_name, matrix, shape))
-        else:
-            hf_name, matrix = _LAYER[name]
+    weights, read_names = {}, set()
+    for name, shape in family.weight_shapes(config).items():
+        template, matrix = fmt.tensors[name], name in fmt.linear
+        if "{i}" in template:
             stack = np.empty(shape, np.float32)
-            for i in range(config.n_layers):
-                stack[i] = read(hf_name.format(i=i), matrix, shape[1:])
+            for i in range(shape[0]):
+                stack[i] = read(template.format(i=i), matrix, shape[1:])
+                read_names.add(template.format(i=i))
             weights[name] = stack
-    if not config.attention_bias:
-        extra = [n for n in where if n.endswith(("q_proj.bias", "o_proj.bias", "mlp.gate_proj.bias"))]
-        if extra:
-            raise ModelFileError(f"{folder}: tensor {extra[0]!r} is a bias {config.name}'s config does not declare")
+        else:
+            weights[name] = np.ascontiguousarray(read(template, matrix, shape))
+            read_names.add(template)
+    extra = sorted(n for n in where if n.endswith(".bias") and n not in read_names)
+    if extra:
+        raise ModelFileError(f"{folder}: tensor {extra[0]!r} is a bias {config.name}'s config does not declare")
     return weights
 
 
@@ -269,19 +253,21 @@ def load_hf_tokenizer(folder: str, hf_config: dict | None = None) -> Tokenizer:
     return Tokenizer(_HFBackend(hf), bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, chat_template=template, name=name)
 
 
-def load_hf(folder: str | os.PathLike, *, tokenizer: bool = True) -> tuple[LlamaConfig, dict[str, np.ndarray], Tokenizer | None]:
+def load_hf(folder: str | os.PathLike, *, tokenizer: bool = True) -> tuple[Any, dict[str, np.ndarray], Tokenizer | None]:
     """Load a Hugging Face model folder.
 
     Args:
       folder: the directory holding ``config.json``, the safetensors and the tokenizer.
       tokenizer: also load the folder's tokenizer (False when the caller brings its own).
     Returns:
-      ``(config, weights, tokenizer)``: a :class:`LlamaConfig` named after the folder,
-      float32 numpy weights in the internal layout, and the :class:`Tokenizer` (None when
+      ``(config, weights, tokenizer)``: the family's config (e.g. a
+      :class:`~jaxkv.models.llama.LlamaConfig`) named after the folder, float32 numpy
+      weights in the family's internal layout, and the :class:`Tokenizer` (None when
       ``tokenizer=False``).
     Raises:
       ModelFileError: a missing ``config.json``, safetensors file, shard, tensor or
-        tokenizer, an unsupported architecture or configuration, a bad shape (named).
+        tokenizer, an unregistered architecture (the message lists the supported ones),
+        a configuration attribute the family does not implement, a bad shape (named).
     """
     folder = os.fspath(folder)
     config_path = os.path.join(folder, CONFIG)
@@ -289,7 +275,8 @@ def load_hf(folder: str | os.PathLike, *, tokenizer: bool = True) -> tuple[Llama
         raise ModelFileError(f"{folder}: no {CONFIG}; a Hugging Face model folder needs config.json, model safetensors and tokenizer.json")
     hf_config = _read_json(config_path, "model config")
     try:
-        config = LlamaConfig.from_hf(hf_config, name=os.path.basename(os.path.abspath(folder)))
+        family = registry.family_for_hf(hf_config)
+        config = family.hf.config(hf_config, name=os.path.basename(os.path.abspath(folder)))
     except ModelFileError:
         raise
     except JaxkvError as e:

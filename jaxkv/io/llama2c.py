@@ -17,7 +17,9 @@ import os
 import numpy as np
 
 from jaxkv.errors import ModelFileError
-from jaxkv.models.config import LlamaConfig, interleaved_to_rotate_half
+from jaxkv.io import registry
+from jaxkv.models.blocks import interleaved_to_rotate_half
+from jaxkv.models.llama import LlamaConfig
 
 HEADER_BYTES = 28
 _HEADER_NAMES = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
@@ -77,7 +79,7 @@ def load_llama2c(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.nda
     Returns:
       ``(config, weights)``: a :class:`LlamaConfig` (RoPE theta 10000, RMSNorm eps 1e-5,
       ``max_seq_len`` = the header's seq_len, ``name`` = the file name) and a dict of
-      float32 numpy arrays in the layout of :mod:`jaxkv.models.config` (``x @ W``
+      float32 numpy arrays in the layout of :mod:`jaxkv.models.llama` (``x @ W``
       orientation, Q/K output channels permuted to rotate-half RoPE; ``lm_head [D, V]``
       only when the classifier is not shared). The precomputed freq_cis tables are skipped.
     Raises:
@@ -110,26 +112,16 @@ def load_llama2c(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.nda
         arrays[key] = data[offset : offset + count].reshape(shape)
         offset += count
 
-    config = LlamaConfig.from_llama2c(tuple(header.values()), name=name)  # header already validated
-    n, k, h = config.n_heads, config.n_kv_heads, config.head_dim
-
-    def linear(w):  # [L, out, in] -> float32 [L, in, out], a fresh array
-        return np.ascontiguousarray(np.swapaxes(w, -1, -2), dtype=np.float32)
-
-    weights = {
-        "embed": np.array(arrays["token_embedding"], dtype=np.float32),
-        "attn_norm": np.array(arrays["rms_att"], dtype=np.float32),
-        "wq": np.ascontiguousarray(interleaved_to_rotate_half(linear(arrays["wq"]), n, h)),
-        "wk": np.ascontiguousarray(interleaved_to_rotate_half(linear(arrays["wk"]), k, h)),
-        "wv": linear(arrays["wv"]),
-        "wo": linear(arrays["wo"]),
-        "mlp_norm": np.array(arrays["rms_ffn"], dtype=np.float32),
-        "w_gate": linear(arrays["w1"]),
-        "w_up": linear(arrays["w3"]),
-        "w_down": linear(arrays["w2"]),
-        "final_norm": np.array(arrays["rms_final"], dtype=np.float32),
-    }
-    if "wcls" in arrays:
-        weights["lm_head"] = linear(arrays["wcls"])
+    family = registry.LLAMA2C
+    fmt = family.llama2c
+    config = fmt.config(tuple(header.values()), name=name)  # header already validated
+    weights = {}
+    for key in family.weight_shapes(config):
+        w = arrays[fmt.tensors[key]]
+        w = np.swapaxes(w, -1, -2) if key in fmt.linear else w  # [L, out, in] -> [L, in, out]
+        if key in fmt.interleaved:
+            n_heads = getattr(config, fmt.interleaved[key])
+            w = interleaved_to_rotate_half(w, n_heads, w.shape[-1] // n_heads)
+        weights[key] = np.array(w, dtype=np.float32, order="C")  # a fresh array, not a view of the file
     del data, arrays
     return config, weights

@@ -1,0 +1,71 @@
+"""The architecture registry: the architecture names of checkpoint files -> model families.
+
+A family (:class:`jaxkv.models.family.Family`, one module of :mod:`jaxkv.models`) declares
+the names that select it per format: Hugging Face ``config.json`` ``architectures`` (or,
+absent that, ``model_type``) and GGUF ``general.architecture``. llama2.c files name no
+architecture: they are Llama by definition. To add a family, write its module and add its
+``FAMILY`` to :data:`FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from jaxkv.errors import JaxkvError
+from jaxkv.models import llama
+from jaxkv.models.family import Family
+
+FAMILIES: dict[str, Family] = {family.name: family for family in (llama.FAMILY,)}
+"""Every registered family, by name."""
+
+LLAMA2C: Family = FAMILIES["llama"]
+"""The family of llama2.c checkpoints (the format holds no architecture name)."""
+
+_BY_CONFIG = {family.config: family for family in FAMILIES.values()}
+if len(_BY_CONFIG) != len(FAMILIES):
+    raise RuntimeError("two registered families share a config class: give each family its own")
+
+
+def _supported(kind: str) -> list[str]:
+    return [arch for family in FAMILIES.values() if getattr(family, kind) for arch in getattr(family, kind).architectures]
+
+
+def family_for_hf(config: dict) -> Family:
+    """The family of a Hugging Face ``config.json`` (a plain dict): by its first
+    ``architectures`` entry, else by its ``model_type``.
+
+    Raises:
+      JaxkvError: an architecture no family registers (named, with the supported ones).
+    """
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type")
+    for family in FAMILIES.values():
+        if family.hf and (archs[0] in family.hf.architectures if archs else model_type in family.hf.model_types):
+            return family
+    found = ", ".join(map(str, archs)) if archs else f"model_type {model_type!r}"
+    raise JaxkvError(f"architecture {found} is not supported: expected one of {', '.join(_supported('hf'))}")
+
+
+def family_for_gguf(architecture) -> Family:
+    """The family of a GGUF file's ``general.architecture`` value (e.g. ``"llama"``).
+
+    Raises:
+      JaxkvError: an architecture no family registers (named, with the supported ones).
+    """
+    for family in FAMILIES.values():
+        if family.gguf and architecture in family.gguf.architectures:
+            return family
+    raise JaxkvError(
+        f"GGUF architecture {architecture!r} is not supported: expected one of {', '.join(map(repr, _supported('gguf')))}"
+    )
+
+
+def family_of(config) -> Family:
+    """The family whose config class ``config`` is an instance of (exactly).
+
+    Raises:
+      JaxkvError: a config of no registered family (named, with the registered ones).
+    """
+    family = _BY_CONFIG.get(type(config))
+    if family is None:
+        known = ", ".join(c.__name__ for c in _BY_CONFIG)
+        raise JaxkvError(f"config {type(config).__name__} is of no registered model family: expected one of {known}")
+    return family
