@@ -93,7 +93,7 @@ class Llama(nnx.Module):
             setattr(model, name, nnx.Param(jnp.asarray(weights[name], dtype)))
         return model
 
-    def __call__(self, tokens, n, cache: KVCache, *, last_only: bool = False):
+    def __call__(self, tokens, n, cache: KVCache, *, last_only: bool = False, kv_hook=None):
         """See :func:`forward`."""
         c = self.config
         b, t = tokens.shape
@@ -111,6 +111,8 @@ class Llama(nnx.Module):
             q = q.reshape(b, t, c.n_heads, c.head_dim)
             k = k.reshape(b, t, c.n_kv_heads, c.head_dim)
             v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
+            if kv_hook is not None:
+                k, v = kv_hook(k, v)
             out, k_store, v_store = attend(cache.spec, view, kv, q, k, v, theta=c.rope_theta)
             x = x + out.reshape(b, t, c.n_heads * c.head_dim) @ w["wo"]
             h = rms_norm(x, w["mlp_norm"], c.norm_eps)
@@ -130,7 +132,7 @@ class Llama(nnx.Module):
         return logits, cache
 
 
-def forward(graphdef, state, tokens, n, cache: KVCache, *, last_only: bool = False):
+def forward(graphdef, state, tokens, n, cache: KVCache, *, last_only: bool = False, kv_hook=None):
     """The pure model step: ``nnx.merge`` the parameters, run the chunk, return logits and the new cache.
 
     Args:
@@ -139,9 +141,12 @@ def forward(graphdef, state, tokens, n, cache: KVCache, *, last_only: bool = Fal
       n: int32[B] tokens to append per row (0 = the row sits this step out).
       cache: the KV cache (donate it under ``jax.jit``).
       last_only: return logits only for each row's last appended token (``[B, 1, V]``).
+      kv_hook: None, or a static callable ``(k, v) -> (k, v)`` on each layer's new keys
+        (before RoPE) and values, ``[B, T, K, H]`` each, applied before attention and before
+        they are stored (e.g. :class:`jaxkv.eval.FakeQuantKV`).
     Returns:
       ``(logits float32[B, T, V], cache)``. A full cache admits at most ``max_len`` tokens
       per row: tokens beyond it are not written (callers check ``cache.length``).
     """
     model = nnx.merge(graphdef, state)
-    return model(tokens, n, cache, last_only=last_only)
+    return model(tokens, n, cache, last_only=last_only, kv_hook=kv_hook)
