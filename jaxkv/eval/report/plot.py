@@ -12,6 +12,14 @@ from jaxkv.errors import JaxkvError
 from jaxkv.eval.report.measure import MODEL_NAMES
 
 
+def _save(plt, fig, path: pathlib.Path) -> str:
+    """Lay out, write (PNG, 110 dpi) and close ``fig``; returns the file name."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
 def plots(res: dict, outdir: pathlib.Path) -> list[str]:
     """Draw the plots of every section present in ``res`` into ``outdir`` (PNG, 110 dpi).
 
@@ -80,11 +88,7 @@ def plots(res: dict, outdir: pathlib.Path) -> list[str]:
                      fontsize=9)
         ax.legend(fontsize=8, loc="best")
         ax.grid(alpha=0.3, which="both")
-        fig.tight_layout()
-        fname = f"nll_vs_position_{name}.png"
-        fig.savefig(outdir / fname, dpi=110)
-        plt.close(fig)
-        made.append(fname)
+        made.append(_save(plt, fig, outdir / f"nll_vs_position_{name}.png"))
 
     have2 = [m for m in MODEL_NAMES if m in res and "s2" in res[m]]
     if have2:
@@ -102,10 +106,7 @@ def plots(res: dict, outdir: pathlib.Path) -> list[str]:
             ax.set_title(name)
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(outdir / "ppl_by_sinks.png", dpi=110)
-        plt.close(fig)
-        made.append("ppl_by_sinks.png")
+        made.append(_save(plt, fig, outdir / "ppl_by_sinks.png"))
 
     have3 = [m for m in MODEL_NAMES if m in res and "s3" in res[m]]
     if have3:
@@ -125,10 +126,7 @@ def plots(res: dict, outdir: pathlib.Path) -> list[str]:
             ax.set_title(f"{name}: KIVI (fp32 ppl {cache['fp32']['ppl']:.3f})")
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(outdir / "kivi_ppl.png", dpi=110)
-        plt.close(fig)
-        made.append("kivi_ppl.png")
+        made.append(_save(plt, fig, outdir / "kivi_ppl.png"))
     return made
 
 
