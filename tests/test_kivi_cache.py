@@ -8,13 +8,11 @@ full-precision residual of R tokens flushed lazily into a quantised ring of W to
 * memory from the allocated pytree leaves, and spec validation;
 * (slow) greedy agreement with an fp32 cache on the two real models.
 
-The memory and greedy numbers come from ``scripts/kivi_tables.py`` (imported below), so
-the test asserts exactly what the script prints.
+The memory and greedy numbers come from ``jaxkv.eval.tables`` (imported below), so
+the test asserts exactly what ``scripts/kivi_tables.py`` and ``scripts/reproduce.py`` print.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import chex
 import jax
@@ -23,16 +21,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO, decode_loop_hlo, materialised_buffers, ref_kwargs, tiny_model
+from conftest import decode_loop_hlo, materialised_buffers, ref_kwargs, tiny_model
 from reference import RefDecoder
 from test_streaming import chunked as streaming_chunked
 from jaxkv import CacheSpec, JaxkvError, KVCache, forward, prefill
 from jaxkv.cache import kivi
+from jaxkv.eval import tables as kivi_tables
 from jaxkv.io import LoadedModel
-
-_mod = importlib.util.spec_from_file_location("kivi_tables", REPO / "scripts" / "kivi_tables.py")
-kivi_tables = importlib.util.module_from_spec(_mod)
-_mod.loader.exec_module(kivi_tables)
 
 SINK = 2
 BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -380,7 +375,7 @@ def test_bad_specs_name_the_value():
 @pytest.mark.parametrize("name", ["stories", "smollm2"])
 def test_greedy_prefix_match_with_fp32_cache(name, request, capsys):
     """8 prompts (ragged batch), 100 greedy tokens, full caches with G=R=32 (see
-    scripts/kivi_tables.py): int8 reproduces >= 99 % of the fp32 tokens on average."""
+    jaxkv.eval.tables): int8 reproduces >= 99 % of the fp32 tokens on average."""
     model = request.getfixturevalue(name)
     result = kivi_tables.greedy_match(model)
     assert all(len(t) == kivi_tables.NEW_TOKENS for t in result["reference"])

@@ -1,5 +1,40 @@
-"""Evaluation: what a KV cache costs in quality (streaming perplexity and its baselines)."""
+"""Evaluation: what a KV cache costs in quality (streaming perplexity and its baselines,
+fake-quantised K/V, greedy agreement) and in memory (bytes of the cache's pytree leaves)."""
 
-from jaxkv.eval.perplexity import perplexity, perplexity_by_range, recompute_nll, token_nll
+from jaxkv.eval.fake_quant import FakeQuantKV
+from jaxkv.eval.perplexity import (
+    paired_ratio,
+    perplexity,
+    perplexity_by_range,
+    recompute_nll,
+    teacher_forced_nll,
+    token_nll,
+)
+from jaxkv.eval.tables import (
+    allocated_report,
+    filled_report,
+    greedy_markdown,
+    greedy_match,
+    memory_markdown,
+    memory_rows,
+    memory_spec,
+    prefix_match,
+)
 
-__all__ = ["perplexity", "perplexity_by_range", "recompute_nll", "token_nll"]
+__all__ = [
+    "FakeQuantKV",
+    "allocated_report",
+    "filled_report",
+    "greedy_markdown",
+    "greedy_match",
+    "memory_markdown",
+    "memory_rows",
+    "memory_spec",
+    "paired_ratio",
+    "perplexity",
+    "perplexity_by_range",
+    "prefix_match",
+    "recompute_nll",
+    "teacher_forced_nll",
+    "token_nll",
+]

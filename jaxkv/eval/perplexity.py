@@ -78,6 +78,16 @@ def _recompute_batch(graphdef, state, tokens, n, targets, *, shape):
     return _target_nll(logits, targets[:, None], jnp.minimum(n, 1))[:, 0]
 
 
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("shape", "kv_hook"))
+def _causal_batch(graphdef, state, tokens, *, shape, kv_hook):
+    """One causal pass over ``tokens[B, T]`` with a fresh full cache of T slots -> nll float32[B, T - 1]."""
+    b, t = tokens.shape
+    n_layers, n_kv_heads, head_dim = shape
+    cache = KVCache.create(CacheSpec(max_len=t), batch=b, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
+    logits, _ = forward(graphdef, state, tokens, jnp.full((b,), t, jnp.int32), cache, kv_hook=kv_hook)
+    return _target_nll(logits[:, :-1], tokens[:, 1:], jnp.full((b,), t - 1, jnp.int32))
+
+
 def _as_ids(model: LoadedModel, tokens: Sequence[int], what: str) -> np.ndarray:
     """int32[N] ids, checked: at least two tokens, every id inside the vocabulary."""
     ids = np.asarray(tokens)
@@ -209,6 +219,7 @@ def recompute_nll(
     window: int,
     sink: int = 0,
     batch: int = 32,
+    positions: Sequence[int] | None = None,
     progress: bool = False,
 ) -> np.ndarray:
     """Sliding window with re-computation: each token scored from its last ``window`` tokens, re-encoded.
@@ -231,20 +242,32 @@ def recompute_nll(
       window: W >= 1, context tokens re-encoded per prediction (after the sinks).
       sink: S0 >= 0, first tokens always in the context.
       batch: windows per compiled call (memory grows with batch * T^2 * heads).
+      positions: score only these query positions ``i`` (the NLL of ``tokens[i + 1]``),
+        e.g. a uniform sample of a long text; None = every ``i`` in ``0..N-2``.
       progress: tqdm progress bar on stderr.
     Returns:
-      ``float64[N - 1]`` nats, same convention as :func:`token_nll`; equal to the full
-      cache's NLL (to float32 rounding) when ``sink + window >= N - 1``.
+      ``float64[N - 1]`` nats (``float64[len(positions)]`` with ``positions``), same
+      convention as :func:`token_nll`; equal to the full cache's NLL (to float32 rounding)
+      when ``sink + window >= N - 1``.
     Raises:
-      JaxkvError: fewer than 2 tokens (count given), ids outside the vocabulary, bad sizes.
+      JaxkvError: fewer than 2 tokens (count given), ids outside the vocabulary, bad sizes,
+      a position outside ``[0, N - 2]`` (named).
     """
     ids = _as_ids(model, tokens, "recompute_nll")
     window = _check_count("window", window, 1)
     sink = _check_count("sink", sink, 0)
     batch = _check_count("batch", batch, 1)
     index, length = recompute_contexts(len(ids), window, sink)
-    rows = len(length)
-    b = min(batch, rows)
+    if positions is None:
+        sel = np.arange(len(length))
+    else:
+        sel = np.asarray(positions, np.int64).reshape(-1)
+        bad = (sel < 0) | (sel >= len(length))
+        if bad.any():
+            raise JaxkvError(f"recompute_nll: position {int(sel[bad][0])} is outside [0, {len(length) - 1}] "
+                             f"(query positions of {len(ids)} tokens)")
+    rows = len(sel)
+    b = max(1, min(batch, rows))
     c = model.config
     shape = (c.n_layers, c.n_kv_heads, c.head_dim)
     graphdef, state = nnx.split(model.model)
@@ -255,13 +278,69 @@ def recompute_nll(
             tok = np.zeros((b, index.shape[1]), np.int32)
             n = np.zeros((b,), np.int32)
             tgt = np.zeros((b,), np.int32)
-            tok[: r1 - r0] = ids[index[r0:r1]]
-            n[: r1 - r0] = length[r0:r1]
-            tgt[: r1 - r0] = ids[r0 + 1 : r1 + 1]
+            tok[: r1 - r0] = ids[index[sel[r0:r1]]]
+            n[: r1 - r0] = length[sel[r0:r1]]
+            tgt[: r1 - r0] = ids[sel[r0:r1] + 1]
             nll = _recompute_batch(graphdef, state, jnp.asarray(tok), jnp.asarray(n), jnp.asarray(tgt), shape=shape)
             out[r0:r1] = np.asarray(nll, np.float64)[: r1 - r0]
             bar.update(r1 - r0)
     return out
+
+
+def teacher_forced_nll(model: LoadedModel, rows, *, kv_hook=None) -> np.ndarray:
+    """NLL of every token after the first of each row, in one causal pass through a full fp32 cache.
+
+    Each row is its own text at positions ``0..T-1`` (a fresh full cache of T slots; no
+    chunking, no eviction), scored in one compiled call per (model, B, T, kv_hook): what
+    :func:`token_nll` gives with its default cache, for a batch of equal-length rows, and
+    the place to try a change of the keys and values the cache would store (``kv_hook``,
+    e.g. :class:`jaxkv.eval.FakeQuantKV`) without a cache layout for it.
+
+    Args:
+      model: a :class:`~jaxkv.models.LoadedModel`.
+      rows: int token ids ``[B, T]`` (or one row ``[T]``), T >= 2, inside the vocabulary.
+      kv_hook: None, or a static (hashable) callable ``(k, v) -> (k, v)`` applied to every
+        layer's keys (before RoPE) and values ``float32[B, T, K, H]`` before attention (see
+        :func:`jaxkv.forward`).
+    Returns:
+      ``float64[B, T - 1]`` nats (``[T - 1]`` for one row): ``nll[b, i] = -log p(rows[b, i + 1]
+      | rows[b, :i + 1])``.
+    Raises:
+      JaxkvError: rows not of rank 1 or 2, fewer than 2 tokens per row, ids outside the vocabulary.
+    """
+    ids = np.asarray(rows)
+    if ids.ndim not in (1, 2):
+        raise JaxkvError(f"teacher_forced_nll: expected token ids [B, T] or [T], got an array of shape {ids.shape}")
+    batch = np.stack([_as_ids(model, r, "teacher_forced_nll") for r in np.atleast_2d(ids)])
+    c = model.config
+    graphdef, state = nnx.split(model.model)
+    nll = _causal_batch(graphdef, state, jnp.asarray(batch), shape=(c.n_layers, c.n_kv_heads, c.head_dim),
+                        kv_hook=kv_hook)
+    out = np.asarray(nll, np.float64)
+    return out if ids.ndim == 2 else out[0]
+
+
+def paired_ratio(nll_a, nll_b, positions) -> dict:
+    """Perplexity ratio of two runs on the same tokens, paired: ``exp(mean(a - b))`` over ``positions``.
+
+    Args:
+      nll_a, nll_b: per-token NLL in nats indexed by query position (e.g. :func:`token_nll`
+        of two caches, or a cache against :func:`recompute_nll` at sampled ``positions``;
+        entries elsewhere are never read).
+      positions: int indices into both arrays.
+    Returns:
+      ``{"ratio": float, "lo": float, "hi": float, "n": int}``: the ratio and its 95 %
+      interval ``exp(mean +- 1.96 * SE)`` from the paired standard error of the per-token
+      differences (``lo = hi = nan`` for a single position).
+    Raises:
+      JaxkvError: no positions.
+    """
+    d = np.asarray(nll_a)[positions] - np.asarray(nll_b)[positions]
+    if len(d) == 0:
+        raise JaxkvError("paired_ratio: no positions to compare")
+    se = float(np.std(d, ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
+    m = float(np.mean(d))
+    return dict(ratio=math.exp(m), lo=math.exp(m - 1.96 * se), hi=math.exp(m + 1.96 * se), n=int(len(d)))
 
 
 def perplexity(nll) -> float:

@@ -424,7 +424,7 @@ class Llama(nnx.Module):
             setattr(model, name, nnx.Param(jnp.asarray(weights[name], dtype)))
         return model
 
-    def __call__(self, tokens, n, cache: KVCache, *, last_only: bool = False):
+    def __call__(self, tokens, n, cache: KVCache, *, last_only: bool = False, kv_hook=None):
         """One chunk through the decoder; see :func:`jaxkv.models.step.forward` (the pure
         step that calls it) for the arguments, shapes and result."""
         c = self.config
@@ -440,6 +440,8 @@ class Llama(nnx.Module):
                 q, k, v = qkv_projection(
                     h, w["wq"], w["wk"], w["wv"], n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, bias=bias
                 )
+                if kv_hook is not None:
+                    k, v = kv_hook(k, v)
                 out, k_store, v_store = attend(step, kv, q, k, v, theta=c.rope_theta)
                 return out.reshape(b, t, c.n_heads * c.head_dim) @ w["wo"], (k_store, v_store)
 
