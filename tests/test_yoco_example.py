@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO
+from paths import REPO
 from reference import RefDecoder, rms_norm, rope, silu
 from jaxkv import CacheSpec, KVCache, forward, memory_report, sample
 
