@@ -137,6 +137,7 @@ class RefDecoder:
       cfg: dict with n_heads, n_kv_heads, head_dim, theta, eps, tie.
       sink, window: StreamingLLM sizes (window None = keep everything).
       bits, group_size, residual: KIVI (bits None = full precision).
+      scale_dtype: KIVI's scale/zero storage dtype (rounded as jaxkv rounds them: :func:`ref_quantize`).
       positions: "absolute" or "cache".
     """
 
