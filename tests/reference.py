@@ -186,18 +186,25 @@ class RefDecoder:
             self.kq[p], self.vq[p] = kd[:, :, i], vd[:, :, i]
 
     # -- one token ------------------------------------------------------------------------------
+    def _admit(self, entries):
+        """Admit position ``self.t`` with zero K/V rows ``[entries, K, H]`` (filled by the
+        caller) into the simulated retained set; returns ``(keys, ranks, flushed)``: the
+        sorted retained positions, their ranks, the quantised ones among them."""
+        t, c = self.t, self.cfg
+        self.k[t] = np.zeros((entries, c["n_kv_heads"], c["head_dim"]))
+        self.v[t] = np.zeros((entries, c["n_kv_heads"], c["head_dim"]))
+        self._retain(t)
+        sinks, rest, flushed = self.retained(t)
+        keys = sorted(sinks + rest + flushed)
+        return keys, {p: i for i, p in enumerate(keys)}, flushed
+
     def step(self, token):
         """Append ``token`` at position ``self.t``; return its logits float64[V]."""
         c, w, t = self.cfg, self.w, self.t
         nh, nkv, hd = c["n_heads"], c["n_kv_heads"], c["head_dim"]
         x = w["embed"][token]
         n_layers = w["wq"].shape[0]
-        self.k[t] = np.zeros((n_layers, nkv, hd))
-        self.v[t] = np.zeros((n_layers, nkv, hd))
-        self._retain(t)
-        sinks, rest, flushed = self.retained(t)
-        keys = sorted(sinks + rest + flushed)
-        ranks = {p: i for i, p in enumerate(keys)}
+        keys, ranks, flushed = self._admit(n_layers)
         for l in range(n_layers):
             h = rms_norm(x, w["attn_norm"][l], c["eps"])
             q = (h @ w["wq"][l]).reshape(nh, hd)
