@@ -150,16 +150,6 @@ def mode_spec(kv_quantize: str, kind: str, positions: str):
     return CacheSpec(kv_quantize=kv_quantize, group_size=4, residual=8, positions=positions, **shape)
 
 
-@functools.lru_cache(maxsize=None)
-def _tiny_model():
-    from flax import nnx
-
-    from jaxkv.models.llama import Llama, LlamaConfig
-
-    config = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48)
-    return Llama(config, rngs=nnx.Rngs(0))
-
-
 SAMPLERS = ("greedy", "temperature")
 
 
@@ -169,7 +159,7 @@ def audit_cache_mode(spec, model=None, *, batch: int = 2, chunk: int = 4, sample
     Args:
       spec: the :class:`CacheSpec`.
       model: a Flax NNX model with the ``(tokens, n, cache, last_only)`` contract and a
-        ``config`` (default: a tiny random :class:`Llama`).
+        ``config`` (default: :func:`jaxkv.testing.tiny_model`, a tiny random :class:`Llama`).
     Returns:
       ``{program: findings}`` for ``forward`` (the decode step, T=1), ``forward T=chunk``
       (a prefill chunk), ``_decode_block`` (the compiled decode loop) with each of
@@ -181,8 +171,9 @@ def audit_cache_mode(spec, model=None, *, batch: int = 2, chunk: int = 4, sample
     from jaxkv.cache.kv import KVCache
     from jaxkv.models.step import forward
     from jaxkv.sampling import Sampler, _decode_block, _LoopState
+    from jaxkv.testing import tiny_model
 
-    model = model if model is not None else _tiny_model()
+    model = model if model is not None else tiny_model()
     c = model.config
     graphdef, state = nnx.split(model)
     cache = KVCache.create(spec, batch=batch, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)

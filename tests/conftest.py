@@ -1,34 +1,23 @@
-"""Shared fixtures: the real files in ../shared/data, a tiny random Llama, a jitted step."""
+"""Shared fixtures: the golden outputs and the real models of ../shared/data (paths in
+tests/paths.py); the tiny random model is :mod:`jaxkv.testing`'s, the NumPy references
+are in tests/reference.py."""
 
 from __future__ import annotations
 
-import functools
 import json
-import os
-import pathlib
-import re
 
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 
-jax.config.update("jax_platforms", "cpu")
+from paths import GOLDEN, SMOLLM2, STORIES_BIN, TOK512_MODEL
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-DATA = pathlib.Path(os.environ.get("JAXKV_DATA", REPO.parent / "shared" / "data"))
-MODELS = DATA / "models"
-STORIES_BIN = MODELS / "stories260K.bin"
-STORIES_GGUF = MODELS / "stories260K.gguf"
-TOK512_MODEL = MODELS / "tok512.model"
-TOK512_BIN = MODELS / "tok512.bin"
-SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
-TEXT = DATA / "text" / "tinystories_valid_head.txt"
+jax.config.update("jax_platforms", "cpu")
 
 
 @pytest.fixture(scope="session")
 def golden():
-    return json.loads((DATA / "golden" / "golden.json").read_text())
+    return json.loads(GOLDEN.read_text())
 
 
 @pytest.fixture(scope="session")
@@ -46,29 +35,40 @@ def smollm2():
     return load_model(SMOLLM2)
 
 
-TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48, rope_theta=10000.0)
+@pytest.fixture(scope="session")
+def chunked():
+    """``chunked(spec, tokens, chunk, model=None, cache=None, sizes=None) -> (logits, cache)``:
+    the logits float32[T, V] of every token when ``tokens`` (T ids) are streamed through
+    jaxkv's forward in chunks of up to ``chunk`` (planned by ``Policy.plan_chunk``), into
+    ``cache`` (default: a new one-row cache of ``spec``) of ``model`` (default:
+    ``jaxkv.testing.tiny_model()``); each chunk's token count is appended to ``sizes`` if given."""
+    import jax.numpy as jnp
+    import numpy as np
 
+    from jaxkv import KVCache, forward
+    from jaxkv.testing import tiny_model
 
-@functools.lru_cache(maxsize=None)
-def tiny_model(seed: int = 0, **overrides):
-    """A small random GQA Llama (N=4 query heads over K=2 KV heads) and its numpy weights."""
-    from jaxkv.models.llama import Llama, LlamaConfig, weight_shapes
+    step = jax.jit(forward, static_argnums=0, donate_argnames="cache")
 
-    config = LlamaConfig(**{**TINY, **overrides})
-    model = Llama(config, rngs=nnx.Rngs(seed))
-    weights = {name: np.asarray(getattr(model, name)[...]) for name in weight_shapes(config)}
-    ref_cfg = dict(n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
-                   theta=config.rope_theta, eps=config.norm_eps, tie=config.tie_embeddings)
-    return model, weights, ref_cfg
+    def run(spec, tokens, chunk, model=None, cache=None, sizes=None):
+        model = model or tiny_model()
+        gd, st = nnx.split(model)
+        if cache is None:
+            c = model.config
+            cache = KVCache.create(spec, batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+        rows, i = [], 0
+        while i < len(tokens):
+            n = int(spec.policy.plan_chunk(np.asarray(cache.length), np.asarray([len(tokens) - i]), chunk)[0])
+            buf = np.zeros((1, chunk), np.int32)
+            buf[0, :n] = tokens[i : i + n]
+            logits, cache = step(gd, st, jnp.asarray(buf), jnp.asarray([n], jnp.int32), cache)
+            rows.append(np.asarray(logits[0, :n]))
+            if sizes is not None:
+                sizes.append(n)
+            i += n
+        return np.concatenate(rows), cache
 
-
-def ref_kwargs(spec):
-    """RefDecoder keyword arguments describing a CacheSpec."""
-    kw = dict(sink=spec.sink, window=spec.window, positions=spec.positions)
-    if spec.quantized:
-        kw.update(bits=spec.bits, group_size=spec.group_size, residual=spec.residual,
-                  scale_dtype=np.dtype(spec.scale_dtype).type)
-    return kw
+    return run
 
 
 def decode_loop_hlo(model, spec) -> str:
@@ -85,16 +85,3 @@ def decode_loop_hlo(model, spec) -> str:
     gd, st = nnx.split(model)
     return _decode_block.lower(gd, st, cache, loop, jnp.full((1,), 5, jnp.int32), jax.random.PRNGKey(0),
                                sampler=Sampler(), block=4, eos_id=None).compile().as_text()
-
-
-def materialised_buffers(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(instruction, element type, shape) of every buffer a compiled program writes: the
-    instructions outside fusion bodies, less parameters, tuple elements and bitcasts."""
-    out, fused = [], False
-    for line in hlo.splitlines():
-        if line.endswith("{") and not line.startswith(" "):  # a computation begins
-            fused = "fused_computation" in line or line.startswith("%wrapped")
-        elif not fused and (m := re.match(r"\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]", line)):
-            if not re.search(r"= \S+ (parameter|get-tuple-element|bitcast)\(", line):
-                out.append((m.group(1), m.group(2), tuple(int(d) for d in m.group(3).split(",") if d)))
-    return out

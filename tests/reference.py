@@ -1,7 +1,10 @@
 """NumPy reference implementations used by the tests (independent of jaxkv's JAX code).
 
 * :func:`rope` -- RoPE in either layout ("half" = rotate-half, "interleaved" = llama2.c pairs).
-* :func:`quantize_dequantize` -- KIVI affine fake-quantisation (DESIGN §2), float32 maths.
+* :func:`ref_quantize` / :func:`ref_dequantize` / :func:`ref_pack` -- KIVI affine quantisation
+  with the directed rounding of jaxkv/cache/kivi.py (written separately from the kernels:
+  ``np.nextafter`` for the stored scale/zero, a plain loop for packing, float64 for
+  dequantisation); :func:`quantize_dequantize` composes them for :class:`RefDecoder`.
 * :class:`RefDecoder` -- a Llama decoder run one token at a time over an explicit
   retained set: the set of DESIGN §2 is *simulated* (sinks, window, lazy residual flush,
   last W flushed tokens), never computed from a closed formula, and ranks for
@@ -10,7 +13,10 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
+
+F32 = np.float32
 
 
 def rope(x, pos, theta, layout="half"):
@@ -29,21 +35,89 @@ def rope(x, pos, theta, layout="half"):
     return out
 
 
-def quantize_dequantize(x, bits, axis, scale_dtype=np.float32):
-    """KIVI affine quantisation of ``x`` with min/max taken over ``axis``; returns x' (float32).
+# ------------------------------------------------------------------ KIVI (the one NumPy reference)
 
-    ``scale = max(eps, (max - min) / (2**bits - 1))``, ``zero = min``, both rounded to
-    ``scale_dtype``; ``q = clip(round((x - zero) / scale), 0, 2**bits - 1)``; ``x' = q*scale + zero``.
+# numpy types of jaxkv's float dtype names (bfloat16 from ml_dtypes, as in JAX)
+NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+
+
+def ref_round(x, dtype, *, up):
+    """float32 -> ``dtype``, rounded toward +inf (``up``) or -inf, via ``np.nextafter``."""
+    y = x.astype(dtype)
+    if np.dtype(dtype) == np.float32:
+        return y
+    wrong = (y.astype(F32) < x) if up else (y.astype(F32) > x)
+    target = np.array(np.inf if up else -np.inf, dtype=dtype)
+    return np.where(wrong, np.nextafter(y, target), y)
+
+
+def ref_quantize(x, *, bits, axis, group=None, scale_dtype=np.float32):
+    """KIVI affine quantisation with the directed rounding of jaxkv/cache/kivi.py (numerical
+    decisions 1-4), in float32: unpacked codes ``uint8`` (x's shape) and the *stored*
+    scale/zero (``scale_dtype``, x's shape with ``axis`` replaced by its ``x.shape[axis] //
+    group`` groups; ``group=None`` = the whole axis).
+
+    ``zero = min`` rounded *down* and ``scale = (max - zero) / levels`` rounded *up* into
+    ``scale_dtype`` (so ``[zero, zero + levels * scale]`` covers the group), both clamped to
+    the finite range of ``scale_dtype`` and the scale to at least ``eps = max(tiny,
+    2**-100)``; the codes ``clip(round((x - zero) / scale), 0, levels)`` come from the stored
+    values, with the division written as the kernels write it (``(x/4 - zero/4) * (4/scale)``).
     """
-    x = np.asarray(x, np.float32)
+    x = np.asarray(x).astype(F32)
+    ax = axis % x.ndim
+    group = x.shape[ax] if group is None else group
+    n = x.shape[ax] // group
+    xg = x.reshape(x.shape[:ax] + (n, group) + x.shape[ax + 1 :])
+    lo = xg.min(axis=ax + 1, keepdims=True)
+    hi = xg.max(axis=ax + 1, keepdims=True)
     levels = 2**bits - 1
-    lo = x.min(axis=axis, keepdims=True)
-    hi = x.max(axis=axis, keepdims=True)
-    eps = np.finfo(scale_dtype).tiny
-    scale = np.maximum((hi - lo) / np.float32(levels), eps).astype(scale_dtype).astype(np.float32)
-    zero = lo.astype(scale_dtype).astype(np.float32)
-    q = np.clip(np.round((x - zero) / scale), 0, levels)
-    return (q * scale + zero).astype(np.float32)
+    sdt = NP_DTYPES[np.dtype(scale_dtype).name]
+    fi = ml_dtypes.finfo(sdt)
+    smax, eps = F32(fi.max), F32(max(float(fi.tiny), 2.0**-100))
+    zero = ref_round(np.clip(lo, -smax, smax), sdt, up=False)
+    zf = zero.astype(F32)
+    scale = np.clip((hi * F32(0.5) - zf * F32(0.5)) * F32(2.0 / levels), eps, smax)
+    scale = ref_round(scale, sdt, up=True)
+    sf = scale.astype(F32)
+    t = (xg * F32(0.25) - zf * F32(0.25)) * (F32(4.0) / sf)
+    q = np.clip(np.round(t), 0, levels).astype(np.uint8).reshape(x.shape)
+    return q, scale.squeeze(ax + 1), zero.squeeze(ax + 1)
+
+
+def ref_dequantize(q, scale, zero, *, axis, dtype=np.float32):
+    """float64 ``q * scale + zero`` (scale/zero as :func:`ref_quantize` returns them),
+    saturated into ``dtype``'s finite range and cast."""
+    ax = axis % q.ndim
+    n = scale.shape[ax]
+    g = q.shape[ax] // n
+    qg = q.astype(np.float64).reshape(q.shape[:ax] + (n, g) + q.shape[ax + 1 :])
+    s = np.expand_dims(scale.astype(np.float64), ax + 1)
+    z = np.expand_dims(zero.astype(np.float64), ax + 1)
+    x = (qg * s + z).reshape(q.shape)
+    odt = NP_DTYPES[np.dtype(dtype).name]
+    m = float(ml_dtypes.finfo(odt).max)
+    return np.clip(x, -m, m).astype(odt)
+
+
+# split-half layout: channel block j (of H / cpb contiguous channels) sits at this bit offset
+BLOCK_OFFSETS = {2: [0, 4], 4: [0, 4, 2, 6], 1: [0]}
+
+
+def ref_pack(codes, bits):
+    """Pack ``uint8[..., H]`` codes into ``uint8[..., H // cpb]`` (split-half layout), with a plain loop."""
+    cpb = 8 // bits
+    n = codes.shape[-1] // cpb
+    out = np.zeros(codes.shape[:-1] + (n,), np.uint8)
+    for c in range(codes.shape[-1]):
+        out[..., c % n] |= (codes[..., c] << BLOCK_OFFSETS[cpb][c // n]).astype(np.uint8)
+    return out
+
+
+def quantize_dequantize(x, bits, axis, scale_dtype=np.float32):
+    """KIVI fake-quantisation of ``x`` with one group over ``axis``: :func:`ref_dequantize`
+    of :func:`ref_quantize` (float32 result)."""
+    q, scale, zero = ref_quantize(x, bits=bits, axis=axis, scale_dtype=scale_dtype)
+    return ref_dequantize(q, scale, zero, axis=axis)
 
 
 def rms_norm(x, w, eps):
@@ -63,6 +137,7 @@ class RefDecoder:
       cfg: dict with n_heads, n_kv_heads, head_dim, theta, eps, tie.
       sink, window: StreamingLLM sizes (window None = keep everything).
       bits, group_size, residual: KIVI (bits None = full precision).
+      scale_dtype: KIVI's scale/zero storage dtype (rounded as jaxkv rounds them: :func:`ref_quantize`).
       positions: "absolute" or "cache".
     """
 
@@ -111,18 +186,25 @@ class RefDecoder:
             self.kq[p], self.vq[p] = kd[:, :, i], vd[:, :, i]
 
     # -- one token ------------------------------------------------------------------------------
+    def _admit(self, entries):
+        """Admit position ``self.t`` with zero K/V rows ``[entries, K, H]`` (filled by the
+        caller) into the simulated retained set; returns ``(keys, ranks, flushed)``: the
+        sorted retained positions, their ranks, the quantised ones among them."""
+        t, c = self.t, self.cfg
+        self.k[t] = np.zeros((entries, c["n_kv_heads"], c["head_dim"]))
+        self.v[t] = np.zeros((entries, c["n_kv_heads"], c["head_dim"]))
+        self._retain(t)
+        sinks, rest, flushed = self.retained(t)
+        keys = sorted(sinks + rest + flushed)
+        return keys, {p: i for i, p in enumerate(keys)}, flushed
+
     def step(self, token):
         """Append ``token`` at position ``self.t``; return its logits float64[V]."""
         c, w, t = self.cfg, self.w, self.t
         nh, nkv, hd = c["n_heads"], c["n_kv_heads"], c["head_dim"]
         x = w["embed"][token]
         n_layers = w["wq"].shape[0]
-        self.k[t] = np.zeros((n_layers, nkv, hd))
-        self.v[t] = np.zeros((n_layers, nkv, hd))
-        self._retain(t)
-        sinks, rest, flushed = self.retained(t)
-        keys = sorted(sinks + rest + flushed)
-        ranks = {p: i for i, p in enumerate(keys)}
+        keys, ranks, flushed = self._admit(n_layers)
         for l in range(n_layers):
             h = rms_norm(x, w["attn_norm"][l], c["eps"])
             q = (h @ w["wq"][l]).reshape(nh, hd)
@@ -157,3 +239,52 @@ class RefDecoder:
         """Positions held after the last step (sinks, window/residual, quantised)."""
         sinks, rest, flushed = self.retained(self.t - 1)
         return sorted(sinks + rest + flushed)
+
+
+# ------------------------------------------------------------------ RefDecoder's inputs
+
+
+def ref_config(config):
+    """RefDecoder's ``cfg`` dict for a jaxkv :class:`LlamaConfig`."""
+    return dict(n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
+                theta=config.rope_theta, eps=config.norm_eps, tie=config.tie_embeddings)
+
+
+def ref_kwargs(spec):
+    """RefDecoder keyword arguments describing a CacheSpec."""
+    kw = dict(sink=spec.sink, window=spec.window, positions=spec.positions)
+    if spec.quantized:
+        kw.update(bits=spec.bits, group_size=spec.group_size, residual=spec.residual,
+                  scale_dtype=np.dtype(spec.scale_dtype).type)
+    return kw
+
+
+def read_llama2c_raw(path):
+    """Parse a llama2.c legacy checkpoint with numpy alone (not jaxkv's loader): returns the
+    reference's weights with Q/K kept in llama2.c's interleaved-pair layout."""
+    raw = np.fromfile(path, dtype=np.int32, count=7)
+    dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = (int(x) for x in raw)
+    f = np.fromfile(path, dtype=np.float32, offset=28)
+    head = dim // n_heads
+    out, i = {}, 0
+
+    def take(*shape):
+        nonlocal i
+        n = int(np.prod(shape))
+        a = f[i : i + n].reshape(shape)
+        i += n
+        return a
+
+    out["embed"] = take(vocab, dim)
+    out["attn_norm"] = take(n_layers, dim)
+    out["wq"] = take(n_layers, dim, dim).transpose(0, 2, 1)
+    out["wk"] = take(n_layers, n_kv * head, dim).transpose(0, 2, 1)
+    out["wv"] = take(n_layers, n_kv * head, dim).transpose(0, 2, 1)
+    out["wo"] = take(n_layers, dim, dim).transpose(0, 2, 1)
+    out["mlp_norm"] = take(n_layers, dim)
+    out["w_gate"] = take(n_layers, hidden, dim).transpose(0, 2, 1)
+    out["w_down"] = take(n_layers, dim, hidden).transpose(0, 2, 1)
+    out["w_up"] = take(n_layers, hidden, dim).transpose(0, 2, 1)
+    out["final_norm"] = take(dim)
+    cfg = dict(n_heads=n_heads, n_kv_heads=n_kv, head_dim=head, theta=10000.0, eps=1e-5, tie=True)
+    return out, cfg

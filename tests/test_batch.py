@@ -20,22 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, STORIES_BIN, TOK512_MODEL, tiny_model
+from paths import REPO, STORIES_BIN, TOK512_MODEL
 from jaxkv import CacheSpec, generate, sample
 from jaxkv.batch import Row, parse_requests, padded_batch_size, plan_batches, run_rows, write_jsonl_atomic
 from jaxkv.cache.ring import write_ring
 from jaxkv.cli import main
-from jaxkv.io import LoadedModel
+from jaxkv.testing import tiny_loaded
 
 FP = CacheSpec(sink=4, window=60)
 INT4 = CacheSpec(sink=4, window=64, kv_quantize="int4", group_size=16, residual=16)
 LENGTHS = (1, 7, 40, 300)
 BUDGETS = (12, 5, 12, 9)  # rows stop at their own budget while the others go on
-
-
-def tiny_loaded():
-    model = tiny_model()[0]
-    return LoadedModel(config=model.config, model=model, tokenizer=None)
 
 
 def prompt(n, seed):
@@ -44,7 +39,7 @@ def prompt(n, seed):
 
 @pytest.mark.parametrize("spec", [FP, INT4], ids=["sink4+60", "int4-w64-G16-R16"])
 def test_ragged_greedy_rows_equal_each_prompt_alone(spec):
-    lm = tiny_loaded()
+    lm = tiny_loaded(tokenizer=False)
     prompts = [prompt(n, 100 + i) for i, n in enumerate(LENGTHS)]
     rows = [Row(ids=p, max_new_tokens=m) for p, m in zip(prompts, BUDGETS)]
     batched = run_rows(lm, rows, batch_size=4, cache=spec)
@@ -57,7 +52,7 @@ def test_ragged_greedy_rows_equal_each_prompt_alone(spec):
 
 
 def test_sampled_row_depends_on_its_seed_not_its_batch():
-    lm = tiny_loaded()
+    lm = tiny_loaded(tokenizer=False)
     target = Row(ids=prompt(9, 1), max_new_tokens=10, temperature=0.9, seed=1234)
     others = [Row(ids=prompt(n, 2 + n), max_new_tokens=10, temperature=0.9, seed=n) for n in (3, 20, 33)]
     alone = run_rows(lm, [target], batch_size=1, cache=FP)[0]
@@ -100,10 +95,9 @@ SHARDED = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     jax.config.update("jax_platforms", "cpu")
     from flax import nnx
-    from conftest import tiny_model
+    from jaxkv.testing import tiny_loaded
     from jaxkv import CacheSpec, KVCache, parallel
     from jaxkv.batch import Row, run_rows
-    from jaxkv.io import LoadedModel
     from jaxkv.sampling import Sampler, _LoopState, _decode_block
 
     assert jax.device_count() == 4, jax.devices()
@@ -114,9 +108,8 @@ SHARDED = textwrap.dedent(
             spec.pop()
         return spec
 
-    model = tiny_model()[0]
-    lm = LoadedModel(config=model.config, model=model, tokenizer=None)
-    c = model.config
+    lm = tiny_loaded(tokenizer=False)
+    c = lm.config
     prompts = [np.random.default_rng(100 + i).integers(0, 64, n).tolist() for i, n in enumerate((1, 7, 40, 300, 12, 3))]
     rows = [Row(ids=p, max_new_tokens=m) for p, m in zip(prompts, (12, 5, 12, 9, 7, 40))]
     specs = {"fp": CacheSpec(sink=4, window=60),
@@ -159,7 +152,7 @@ SHARDED = textwrap.dedent(
 @pytest.fixture(scope="module")
 def sharded_run():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
+               PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=900,
                           cwd=REPO / "tests")
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from paths import REPO
 
 from jaxkv import CacheSpec, KVCache, LlamaConfig, memory_report
 from jaxkv.cli import main

@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import json
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -24,13 +23,13 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import SMOLLM2, STORIES_BIN, TOK512_MODEL, ref_kwargs, tiny_model
-from reference import RefDecoder
+from paths import SMOLLM2, STORIES_BIN, TOK512_MODEL
+from reference import RefDecoder, ref_config, ref_kwargs
 from jaxkv import CacheFullError, CacheSpec, ChatSession, JaxkvError, LoadedModel, Sampler, generate, load_model
 from jaxkv.chat import default_cache_spec
-from jaxkv.models.llama import Llama, weight_shapes
+from jaxkv.models.llama import Llama
+from jaxkv.testing import numpy_weights, tiny_model
 
-TESTS = pathlib.Path(__file__).resolve().parent
 TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
@@ -39,17 +38,13 @@ PERIOD = 426  # tok512's "."
 FULL = CacheSpec(max_len=400)
 SPEC16 = CacheSpec(sink=4, window=16)
 STREAMING = CacheSpec(sink=4, window=60, positions="cache")  # also what `jaxkv chat --streaming-llm-sink 4 --streaming-llm-window 60` builds
-# float32 scales: RefDecoder rounds scales to nearest, jaxkv's float16 ones are directed (see test_kivi_cache)
+# float32 scales, as when this test was written (RefDecoder matches float16 ones too: see test_kivi_cache)
 KIVI = CacheSpec(sink=4, window=60, kv_quantize="int4", group_size=4, residual=8, scale_dtype="float32", positions="cache")
 class Interrupted(BaseException):
     """Stands for KeyboardInterrupt (which would also stop pytest) in the interruption tests."""
 
 
 MESSAGES = ["Hello there", "Tell me a story about a cat", "Why is the sky blue?", "What happened next?", "Thank you"]
-
-
-def weights_of(loaded: LoadedModel) -> dict:
-    return {name: np.asarray(getattr(loaded.model, name)[...]) for name in weight_shapes(loaded.config)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,7 +55,7 @@ def stories_chat(stops: bool = False) -> LoadedModel:
     tok.chat_template = TEMPLATE
     model = loaded.model
     if stops:
-        w = weights_of(loaded)
+        w = numpy_weights(loaded.model)
         w["embed"] = w["embed"].copy()
         w["embed"][tok.eos_id] = 1.2 * w["embed"][PERIOD]
         model = Llama.from_weights(loaded.config, w)
@@ -174,9 +169,7 @@ def test_thirty_turns_stay_under_the_cap_and_match_the_reference(spec):
     assert stats[-1].tokens_seen > 8 * cap and stats[-1].tokens_stored > spec.sink + spec.window // 2
     if not spec.quantized:
         assert [s.tokens_stored for s in stats] == [min(s.tokens_seen, cap) for s in stats]
-    cfg = dict(n_heads=model.config.n_heads, n_kv_heads=model.config.n_kv_heads, head_dim=model.config.head_dim,
-               theta=model.config.rope_theta, eps=model.config.norm_eps, tie=model.config.tie_embeddings)
-    ref = RefDecoder(weights_of(model), cfg, **ref_kwargs(spec))
+    ref = RefDecoder(numpy_weights(model.model), ref_config(model.config), **ref_kwargs(spec))
     for t in session.transcript_ids[: starts[-1]]:
         logits = ref.step(t)
     np.testing.assert_allclose(session.last_logits, logits, atol=1e-4, rtol=0)
@@ -190,14 +183,15 @@ RESUME_SAMPLER = Sampler(temperature=0.9, top_k=40)
 
 def resumed_in_new_process(path, messages, jax_cache):
     code = (
-        "import json, sys; sys.path[:0] = [sys.argv[1]]\n"
-        "from test_chat import stories_chat\n"
-        "from jaxkv import ChatSession\n"
-        "s = ChatSession.load(sys.argv[2], stories_chat())\n"
-        "for m in json.loads(sys.argv[3]): s.send(m)\n"
+        "import json, sys\n"
+        "from jaxkv import ChatSession, load_model\n"
+        "model = load_model(sys.argv[1], tokenizer=sys.argv[2])\n"  # stories_chat(): the template passed here
+        "s = ChatSession.load(sys.argv[3], model, chat_template=sys.argv[4])\n"
+        "for m in json.loads(sys.argv[5]): s.send(m)\n"
         "print(json.dumps(dict(transcript=s.transcript_ids, turns=s.stats().turns)))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(TESTS), str(path), json.dumps(messages)],
+    argv = [str(STORIES_BIN), str(TOK512_MODEL), str(path), TEMPLATE, json.dumps(messages)]
+    out = subprocess.run([sys.executable, "-c", code, *argv],
                          capture_output=True, text=True, timeout=300, env=jax_cache)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -243,12 +237,12 @@ def test_load_refuses_other_models_specs_and_damaged_files(tmp_path):
     session.save(path)
     blob = path.read_bytes()
 
-    w = weights_of(model)
+    w = numpy_weights(model.model)
     w["wq"] = w["wq"] * 1.01
     retrained = dataclasses.replace(model, model=Llama.from_weights(model.config, w))
     with pytest.raises(JaxkvError, match=r"saved for another model \(weights_sha256 differ"):
         ChatSession.load(path, retrained)
-    tiny = tiny_model()[0]
+    tiny = tiny_model()
     with pytest.raises(JaxkvError, match=r"another model \(config, weights_sha256 differ.*n_layers"):
         ChatSession.load(path, LoadedModel(config=tiny.config, model=tiny, tokenizer=model.tokenizer))
     with pytest.raises(JaxkvError, match="another model.*tokenizer"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import STORIES_BIN, TOK512_MODEL
+from paths import STORIES_BIN, TOK512_MODEL
 from jaxkv import CacheSpec, JaxkvError, sample
 from jaxkv.cli import main
 

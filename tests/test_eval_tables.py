@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_model
 from reference import quantize_dequantize
 from jaxkv import CacheSpec, JaxkvError, KVCache, forward
 from jaxkv.cache.rope import apply_rope
 from jaxkv.eval import FakeQuantKV, memory_rows, memory_spec, prefix_match, teacher_forced_nll, token_nll
 from jaxkv.eval.tables import filled_report
-from jaxkv.io import LoadedModel
+from jaxkv.testing import tiny_loaded
 
 SHAPE = dict(n_layers=2, n_kv_heads=3, head_dim=16)
 
@@ -79,13 +78,8 @@ def test_prefix_match_exact_values():
 # --------------------------------------------------------------------------- kv_hook
 
 
-def _loaded(seed=0, **overrides):
-    model = tiny_model(seed, **overrides)[0]
-    return LoadedModel(config=model.config, model=model, tokenizer=None)
-
-
 def test_identity_hook_gives_bit_identical_logits():
-    lm = _loaded()
+    lm = tiny_loaded(tokenizer=False)
     c = lm.config
     graphdef, state = nnx.split(lm.model)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, c.vocab_size, (2, 12)), jnp.int32)
@@ -168,11 +162,11 @@ def test_fake_quant_rejects_bad_settings():
     with pytest.raises(JaxkvError, match="group_size=0"):
         FakeQuantKV(group_size=0)
     with pytest.raises(JaxkvError, match="32"):  # T = 12 is not a multiple of G = 32
-        teacher_forced_nll(_loaded(), np.zeros((1, 12), np.int32), kv_hook=FakeQuantKV())
+        teacher_forced_nll(tiny_loaded(tokenizer=False), np.zeros((1, 12), np.int32), kv_hook=FakeQuantKV())
 
 
 def test_teacher_forced_nll_with_and_without_fake_quant():
-    lm = _loaded()
+    lm = tiny_loaded(tokenizer=False)
     rows = np.random.default_rng(2).integers(0, lm.config.vocab_size, (3, 32)).astype(np.int32)
     base = teacher_forced_nll(lm, rows)
     assert base.shape == (3, 31) and base.dtype == np.float64

@@ -24,7 +24,8 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from conftest import STORIES_BIN, TOK512_MODEL
+from paths import STORIES_BIN, TOK512_MODEL
+from reference import read_llama2c_raw
 from jaxkv import CacheSpec, JaxkvError, KVCache, ModelFileError, forward, load_model, sample
 from jaxkv.io import load_model_files, registry
 
@@ -265,9 +266,7 @@ def hf_permute(w, n_heads):
 
 
 def test_stories260k_resaved_in_hf_layout_matches_bin_loader(tmp_path):
-    from test_model import read_llama2c_raw  # numpy-only reader, Q/K left interleaved
-
-    w, cfg = read_llama2c_raw(STORIES_BIN)
+    w, cfg = read_llama2c_raw(STORIES_BIN)  # numpy-only reader, Q/K left interleaved
     n_layers, d, _ = w["wq"].shape
     n, k = cfg["n_heads"], cfg["n_kv_heads"]
     tensors = {"model.embed_tokens.weight": w["embed"], "model.norm.weight": w["final_norm"]}
@@ -371,15 +370,15 @@ def test_wrong_tensor_shape_is_named(tmp_path):
 def test_raw_safetensors_reader_matches_safetensors(tmp_path):
     """The fallback byte reader (for safetensors versions without numpy bf16) reads what
     safetensors itself reads, for bf16, f16 and f32."""
-    from jaxkv.io.hf import _Shard
+    from jaxkv.io.hf import SafetensorsFile
 
     rng = np.random.default_rng(3)
     arrays = {"a": rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16), "b": rng.standard_normal(7).astype(np.float16),
               "c": rng.standard_normal((2, 2, 2)).astype(np.float32)}
     save_file(arrays, str(tmp_path / "x.safetensors"))
-    shard = _Shard(str(tmp_path / "x.safetensors"))
+    shard = SafetensorsFile(str(tmp_path / "x.safetensors"))
     for name, a in arrays.items():
-        raw = shard._raw(name)
+        raw = shard.read_raw(name)
         assert raw.dtype == a.dtype and raw.shape == a.shape
         np.testing.assert_array_equal(raw.astype(np.float32), a.astype(np.float32))
         np.testing.assert_array_equal(shard.get(name).astype(np.float32), a.astype(np.float32))

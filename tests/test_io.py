@@ -1,6 +1,5 @@
 """Model-file loaders: llama2.c .bin, GGUF (real and tiny synthetic files), dispatch, errors."""
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -9,15 +8,11 @@ import gguf
 import numpy as np
 import pytest
 
+from paths import MODELS, SMOLLM2, STORIES_BIN, STORIES_GGUF
 import jaxkv.io
 from jaxkv.errors import JaxkvError, ModelFileError
 from jaxkv.io import default_model_path, load_gguf, load_llama2c, load_model_files, registry
 
-DATA = Path(os.environ.get("JAXKV_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
-MODELS = DATA / "models"
-STORIES_BIN = MODELS / "stories260K.bin"
-STORIES_GGUF = MODELS / "stories260K.gguf"
-SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
 HEADER = (64, 172, 5, 8, 4, 512, 512)  # stories260K: dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab, seq_len
 Q = gguf.GGMLQuantizationType
 

@@ -21,13 +21,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import decode_loop_hlo, materialised_buffers, ref_kwargs, tiny_model
-from reference import RefDecoder
-from test_streaming import chunked as streaming_chunked
+from conftest import decode_loop_hlo
+from reference import RefDecoder, ref_config, ref_kwargs
 from jaxkv import CacheSpec, JaxkvError, KVCache, forward, prefill
 from jaxkv.cache import kivi
 from jaxkv.eval import tables as kivi_tables
-from jaxkv.io import LoadedModel
+from jaxkv.testing import materialised_buffers, numpy_weights, tiny_loaded, tiny_model
 
 SINK = 2
 BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -43,7 +42,7 @@ def kivi_spec(g, mode, positions, scale_dtype="float32"):
 
 
 def new_cache(spec, batch=1):
-    c = tiny_model()[0].config
+    c = tiny_model().config
     return KVCache.create(spec, batch=batch, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
 
 
@@ -64,7 +63,7 @@ def positions_held(cache, row=0):
 
 def decode(spec, tokens):
     """Token-by-token: logits float32[T, V], the held positions after every step, the final cache."""
-    gd, st = nnx.split(tiny_model()[0])
+    gd, st = nnx.split(tiny_model())
     cache = new_cache(spec)
     rows, held = [], []
     for t in tokens:
@@ -74,60 +73,13 @@ def decode(spec, tokens):
     return np.stack(rows), held, cache
 
 
-def chunked(spec, tokens, chunk):
-    """Logits of every token streamed in planned chunks (test_streaming's helper), the chunk sizes, the cache."""
-    sizes = []
-    logits, cache = streaming_chunked(spec, tokens, chunk, sizes=sizes)
-    return logits, sizes, cache
-
-
 def tokens_for(n, seed=0):
     return np.random.default_rng(seed).integers(0, 64, n).tolist()
 
 
-# ------------------------------------------------------- reference with directed rounding
-
-
-def _round_directed(x, dtype, up):
-    """float32 -> ``dtype`` rounded toward +inf (``up``) or -inf, with np.nextafter."""
-    y = x.astype(dtype)
-    wrong = (y.astype(np.float32) < x) if up else (y.astype(np.float32) > x)
-    return np.where(wrong, np.nextafter(y, np.array(np.inf if up else -np.inf, dtype)), y)
-
-
-def quantize_dequantize_directed(x, bits, axis, scale_dtype):
-    """reference.quantize_dequantize, but ``zero`` rounded *down* and ``scale`` rounded *up*
-    into ``scale_dtype`` (and eps = max(tiny, 2**-100)), which is jaxkv's documented rule
-    (jaxkv/cache/kivi.py, numerical decision 1): [zero, zero + levels * scale] then covers
-    the group, so no element is clipped by the storage rounding."""
-    x = np.asarray(x, np.float32)
-    levels = 2**bits - 1
-    lo, hi = x.min(axis=axis, keepdims=True), x.max(axis=axis, keepdims=True)
-    fi = np.finfo(scale_dtype)
-    eps = np.float32(max(float(fi.tiny), 2.0**-100))
-    zero = _round_directed(np.clip(lo, -fi.max, fi.max), scale_dtype, up=False).astype(np.float32)
-    scale = _round_directed(np.maximum((hi - zero) / np.float32(levels), eps), scale_dtype, up=True).astype(np.float32)
-    q = np.clip(np.round((x - zero) / scale), 0, levels)
-    return (q * scale + zero).astype(np.float32)
-
-
-class DirectedRefDecoder(RefDecoder):
-    """``RefDecoder`` whose flushes quantise with :func:`quantize_dequantize_directed`."""
-
-    def _quantize(self, positions):
-        k = np.stack([self.k[p] for p in positions], axis=2)  # [L, K, R, H]
-        v = np.stack([self.v[p] for p in positions], axis=2)
-        L, K, R, H = k.shape
-        kg = k.reshape(L, K, R // self.g, self.g, H)
-        kd = quantize_dequantize_directed(kg, self.bits, 3, self.scale_dtype).reshape(L, K, R, H)
-        vd = quantize_dequantize_directed(v, self.bits, 3, self.scale_dtype)
-        for i, p in enumerate(positions):
-            self.kq[p], self.vq[p] = kd[:, :, i], vd[:, :, i]
-
-
-def reference(spec, tokens, cls=RefDecoder):
-    _, weights, cfg = tiny_model()
-    ref = cls(weights, cfg, **ref_kwargs(spec))
+def reference(spec, tokens):
+    model = tiny_model()
+    ref = RefDecoder(numpy_weights(model), ref_config(model.config), **ref_kwargs(spec))
     logits, held = [], []
     for t in tokens:
         logits.append(ref.step(int(t)))
@@ -173,18 +125,17 @@ def test_decode_matches_reference_across_three_wraps(g, mode, positions):
 def test_float16_scales_match_reference_with_directed_rounding(g, mode, positions):
     """Default float16 scales/zeros. jaxkv stores ``zero`` rounded down and ``scale``
     rounded up into float16 (directed, so [zero, zero + levels * scale] always covers the
-    group) and computes the codes from the stored values. ``RefDecoder`` with
-    ``scale_dtype=np.float16`` rounds both to nearest, which is a different quantiser:
-    when ``zero`` rounds up or ``scale`` down, a group's extreme element is clipped, and
-    every code is computed from a slightly different scale (measured: logits differ by up
-    to 0.05 at int4 and 0.14 at int2, on logits of magnitude ~3, which is no useful bound).
-    So the reference here implements the directed rounding with np.nextafter
-    (:class:`DirectedRefDecoder`) and parity is as tight as with float32 scales (measured
+    group) and computes the codes from the stored values. Rounding both to nearest would
+    be a different quantiser: when ``zero`` rounds up or ``scale`` down, a group's extreme
+    element is clipped, and every code is computed from a slightly different scale
+    (measured: logits differ by up to 0.05 at int4 and 0.14 at int2, on logits of
+    magnitude ~3, which is no useful bound). tests/reference.py implements the directed
+    rounding with np.nextafter, so parity is as tight as with float32 scales (measured
     ~2e-6)."""
     spec = kivi_spec(g, mode, positions, scale_dtype="float16")
     tokens = tokens_for(three_wraps(spec), seed=7)
     got, held, _ = decode(spec, tokens)
-    expected, ref_held, _ = reference(spec, tokens, cls=DirectedRefDecoder)
+    expected, ref_held, _ = reference(spec, tokens)
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
     assert held == ref_held
 
@@ -210,11 +161,12 @@ def test_other_kivi_shapes_match_reference(spec):
     "g,mode,positions,chunk",
     [(4, "int4", "cache", 8), (8, "int2", "absolute", 5), (4, "int8", "absolute", 4)],
 )
-def test_chunked_prefill_equals_token_by_token(g, mode, positions, chunk):
+def test_chunked_prefill_equals_token_by_token(g, mode, positions, chunk, chunked):
     """A prompt ~4x the cache's capacity, streamed in chunks that never cross a flush."""
     spec = kivi_spec(g, mode, positions)
     tokens = tokens_for(4 * spec.capacity + 3, seed=11)
-    got, sizes, cache_c = chunked(spec, tokens, chunk)
+    sizes = []
+    got, cache_c = chunked(spec, tokens, chunk, sizes=sizes)
     expected, _, cache_t = decode(spec, tokens)
     assert max(sizes) == min(chunk, spec.residual) and len(sizes) < len(tokens)
     np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
@@ -257,8 +209,8 @@ def test_flush_timing_and_groups_never_requantised():
     row's logits equal that row decoded alone."""
     spec = kivi_spec(4, "int4", "cache")  # S0=2, W=12, R=8, G=4
     s0, w, r, g = spec.sink, spec.window, spec.residual, spec.group_size
-    model, _, _ = tiny_model()
-    loaded = LoadedModel(config=model.config, model=model, tokenizer=None)
+    loaded = tiny_loaded(tokenizer=False)
+    model = loaded.model
     prompts = [tokens_for(s0 + r + 5, seed=1), tokens_for(s0 + 2 * r - 1, seed=2)]
     cache, last = prefill(loaded, new_cache(spec, batch=2), prompts)
     batch_logits = [[np.asarray(last[b])] for b in range(2)]
@@ -394,7 +346,7 @@ def test_decode_loop_attends_channel_blocks_never_the_whole_window(spec):
     """int4/int2 windows are dequantised and attended as 8 // bits channel blocks: the compiled
     decode loop holds float blocks [.., W, H/cpb] and never a dequantised (or rotated) window
     of full width H, which XLA CPU builds 2-4x slower (docs/PERFORMANCE.md)."""
-    model, _, _ = tiny_model(head_dim=64)
+    model = tiny_model(head_dim=64)
     c = model.config
     hlo = decode_loop_hlo(model, spec)
     windows = [shape for _, dtype, shape in materialised_buffers(hlo)

@@ -1,9 +1,9 @@
 """Tests for the KIVI kernels in :mod:`jaxkv.cache.kivi` (arXiv 2402.02750 §3.2, §4).
 
-A NumPy reference of the documented float32 arithmetic lives in this file (written
-separately from the kernels: NumPy ``nextafter`` for the directed rounding of stored
-scale/zero, a plain loop for bit packing, float64 for dequantisation). Shapes are kept
-to a handful so every jitted kernel compiles once per static configuration.
+The NumPy reference of the documented float32 arithmetic is tests/reference.py's
+(written separately from the kernels: NumPy ``nextafter`` for the directed rounding of
+stored scale/zero, a plain loop for bit packing, float64 for dequantisation). Shapes are
+kept to a handful so every jitted kernel compiles once per static configuration.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
+from reference import NP_DTYPES, ref_dequantize, ref_pack, ref_quantize
 from jaxkv.cache import kivi
 from jaxkv.errors import JaxkvError
 
@@ -25,74 +25,6 @@ BITS = (8, 4, 2)
 SHAPE = (2, 3, 32, 16)  # [B, K, T, H]
 G = 8
 F32 = np.float32
-NP_DTYPES = {
-    "float16": np.float16,
-    "bfloat16": ml_dtypes.bfloat16,
-    "float32": np.float32,
-}
-
-# ------------------------------------------------------------------ NumPy reference
-
-
-def ref_round(x: np.ndarray, dtype, *, up: bool) -> np.ndarray:
-    """float32 -> ``dtype``, rounded toward +inf (``up``) or -inf, via nextafter."""
-    y = x.astype(dtype)
-    if np.dtype(dtype) == np.float32:
-        return y
-    wrong = (y.astype(F32) < x) if up else (y.astype(F32) > x)
-    target = np.array(np.inf if up else -np.inf, dtype=dtype)
-    return np.where(wrong, np.nextafter(y, target), y)
-
-
-def ref_quantize(x, *, bits, axis, group, scale_dtype):
-    """Unpacked codes [..., H] and stored scale/zero, ``axis`` replaced by its groups."""
-    x = np.asarray(x).astype(F32)
-    ax = axis % x.ndim
-    group = x.shape[ax] if group is None else group
-    n = x.shape[ax] // group
-    xg = x.reshape(x.shape[:ax] + (n, group) + x.shape[ax + 1 :])
-    lo = xg.min(axis=ax + 1, keepdims=True)
-    hi = xg.max(axis=ax + 1, keepdims=True)
-    levels = 2**bits - 1
-    sdt = NP_DTYPES[np.dtype(scale_dtype).name]
-    fi = ml_dtypes.finfo(sdt)
-    smax, eps = F32(fi.max), F32(max(float(fi.tiny), 2.0**-100))
-    zero = ref_round(np.clip(lo, -smax, smax), sdt, up=False)
-    zf = zero.astype(F32)
-    scale = np.clip((hi * F32(0.5) - zf * F32(0.5)) * F32(2.0 / levels), eps, smax)
-    scale = ref_round(scale, sdt, up=True)
-    sf = scale.astype(F32)
-    with np.errstate(over="ignore"):
-        t = (xg - zf) * (F32(1.0) / sf)
-    q = np.clip(np.round(t), 0, levels).astype(np.uint8).reshape(x.shape)
-    return q, scale.squeeze(ax + 1), zero.squeeze(ax + 1)
-
-
-def ref_dequantize(q, scale, zero, *, axis, dtype=np.float32):
-    """float64 ``q * scale + zero``, saturated into ``dtype`` and cast."""
-    ax = axis % q.ndim
-    n = scale.shape[ax]
-    g = q.shape[ax] // n
-    qg = q.astype(np.float64).reshape(q.shape[:ax] + (n, g) + q.shape[ax + 1 :])
-    s = np.expand_dims(scale.astype(np.float64), ax + 1)
-    z = np.expand_dims(zero.astype(np.float64), ax + 1)
-    x = (qg * s + z).reshape(q.shape)
-    odt = NP_DTYPES[np.dtype(dtype).name]
-    m = float(ml_dtypes.finfo(odt).max)
-    return np.clip(x, -m, m).astype(odt)
-
-
-# split-half layout: channel block j (of H / cpb contiguous channels) sits at this bit offset
-BLOCK_OFFSETS = {2: [0, 4], 4: [0, 4, 2, 6], 1: [0]}
-
-
-def ref_pack(codes: np.ndarray, bits: int) -> np.ndarray:
-    cpb = 8 // bits
-    n = codes.shape[-1] // cpb
-    out = np.zeros(codes.shape[:-1] + (n,), np.uint8)
-    for c in range(codes.shape[-1]):
-        out[..., c % n] |= (codes[..., c] << BLOCK_OFFSETS[cpb][c // n]).astype(np.uint8)
-    return out
 
 
 def quant(kind, x, bits, scale_dtype=jnp.float16):

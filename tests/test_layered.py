@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_model
 from jaxkv import CacheSpec, JaxkvError, KVCache, LayerSpecs, forward, generate, memory_report
 from jaxkv.cache.layered import LayeredCache
-from jaxkv.io import LoadedModel
+from jaxkv.testing import tiny_loaded, tiny_model
 
 STEP = jax.jit(forward, static_argnums=0, donate_argnames="cache")
 WINDOW = CacheSpec(sink=2, window=6)
@@ -27,7 +26,7 @@ FULL = CacheSpec(max_len=64)
 
 def run(spec, tokens, chunk=1):
     """Logits float32[T, V] of ``tokens`` streamed in chunks planned by the cache, and the cache."""
-    model = tiny_model()[0]
+    model = tiny_model()
     c = model.config
     gd, st = nnx.split(model)
     cache = KVCache.create(spec, batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
@@ -89,8 +88,7 @@ def test_memory_report_sums_the_runs():
 
 
 def test_generate_with_equal_layer_specs_matches_one_spec():
-    model, _, _ = tiny_model()
-    loaded = LoadedModel(config=model.config, model=model, tokenizer=None)
+    loaded = tiny_loaded(tokenizer=False)
     prompts = [[1, 5, 9, 3], [2, 7]]
     one = generate(loaded, prompts, max_new_tokens=30, cache=WINDOW, eos_id=None)
     layered = generate(loaded, prompts, max_new_tokens=30, cache=LayerSpecs((WINDOW, WINDOW)), eos_id=None)

@@ -12,40 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import SMOLLM2, STORIES_BIN, TEXT, TOK512_BIN, TOK512_MODEL
-from reference import RefDecoder
+from paths import SMOLLM2, STORIES_BIN, TEXT, TOK512_BIN, TOK512_MODEL
+from reference import RefDecoder, read_llama2c_raw
 from jaxkv import CacheSpec, KVCache, forward, sample
-
-
-def read_llama2c_raw(path):
-    """Parse a llama2.c legacy checkpoint with numpy alone (not jaxkv's loader): returns the
-    reference's weights with Q/K kept in llama2.c's interleaved-pair layout."""
-    raw = np.fromfile(path, dtype=np.int32, count=7)
-    dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = (int(x) for x in raw)
-    f = np.fromfile(path, dtype=np.float32, offset=28)
-    head = dim // n_heads
-    out, i = {}, 0
-
-    def take(*shape):
-        nonlocal i
-        n = int(np.prod(shape))
-        a = f[i : i + n].reshape(shape)
-        i += n
-        return a
-
-    out["embed"] = take(vocab, dim)
-    out["attn_norm"] = take(n_layers, dim)
-    out["wq"] = take(n_layers, dim, dim).transpose(0, 2, 1)
-    out["wk"] = take(n_layers, n_kv * head, dim).transpose(0, 2, 1)
-    out["wv"] = take(n_layers, n_kv * head, dim).transpose(0, 2, 1)
-    out["wo"] = take(n_layers, dim, dim).transpose(0, 2, 1)
-    out["mlp_norm"] = take(n_layers, dim)
-    out["w_gate"] = take(n_layers, hidden, dim).transpose(0, 2, 1)
-    out["w_down"] = take(n_layers, dim, hidden).transpose(0, 2, 1)
-    out["w_up"] = take(n_layers, hidden, dim).transpose(0, 2, 1)
-    out["final_norm"] = take(dim)
-    cfg = dict(n_heads=n_heads, n_kv_heads=n_kv, head_dim=head, theta=10000.0, eps=1e-5, tie=True)
-    return out, cfg
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +100,7 @@ def test_config_presets_match_the_real_checkpoints(stories, smollm2_config):
 @pytest.fixture(scope="module")
 def smollm2_config():
     """SmolLM2's config from its GGUF metadata alone (no weights loaded)."""
-    from jaxkv.io.gguf_loader import _metadata, _open
+    from jaxkv.io.gguf_loader import gguf_metadata
     from jaxkv.models.llama import LlamaConfig
 
-    return LlamaConfig.from_gguf(_metadata(_open(SMOLLM2, "smollm2"), "smollm2"), tie_embeddings=True, name="x")
+    return LlamaConfig.from_gguf(gguf_metadata(SMOLLM2), tie_embeddings=True, name="x")

@@ -17,18 +17,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import STORIES_BIN, TEXT, TOK512_MODEL, ref_kwargs, tiny_model
-from reference import RefDecoder
-from jaxkv import CacheFullError, CacheSpec, JaxkvError, KVCache, forward
+from paths import STORIES_BIN, TEXT, TOK512_MODEL
+from reference import RefDecoder, ref_config, ref_kwargs
+from jaxkv import CacheFullError, CacheSpec, JaxkvError, KVCache, LoadedModel, forward
 from jaxkv.cli import main
 from jaxkv.eval import perplexity, perplexity_by_range, recompute_nll, token_nll
 from jaxkv.eval.perplexity import _nll_chunk, recompute_contexts
-from jaxkv.io import LoadedModel
-
-
-def tiny_loaded() -> LoadedModel:
-    model, _, _ = tiny_model()
-    return LoadedModel(config=model.config, model=model, tokenizer=None)
+from jaxkv.testing import numpy_weights, tiny_loaded
 
 
 def tokens_for(n, seed=0):
@@ -68,7 +63,7 @@ def story_ids(stories):
 
 @pytest.mark.parametrize("chunk", [128, 8])
 def test_full_cache_perplexity_equals_one_forward_pass_tiny(chunk):
-    loaded = tiny_loaded()
+    loaded = tiny_loaded(tokenizer=False)
     ids = tokens_for(45, seed=2)
     nll = token_nll(loaded, ids, chunk=chunk)
     expected = one_pass_nll(loaded, ids)
@@ -103,7 +98,7 @@ def streaming_ids(spec):
 
 @pytest.mark.parametrize("spec,chunk", STREAMING, ids=lambda x: x.describe() if isinstance(x, CacheSpec) else f"chunk{x}")
 def test_chunked_equals_token_by_token_across_wraps(spec, chunk):
-    loaded = tiny_loaded()
+    loaded = tiny_loaded(tokenizer=False)
     ids = streaming_ids(spec)
     one = token_nll(loaded, ids, cache=spec, chunk=1)
     before = _nll_chunk._cache_size() if hasattr(_nll_chunk, "_cache_size") else 0
@@ -124,10 +119,9 @@ def test_chunked_equals_token_by_token_across_wraps(spec, chunk):
 
 def test_token_by_token_nll_equals_reference_decoder():
     spec = STREAMING[1][0]  # sink 4 + window 16, positions="cache" (its chunk=1 step is compiled above)
-    loaded = tiny_loaded()
-    _, weights, cfg = tiny_model()
+    loaded = tiny_loaded(tokenizer=False)
     ids = streaming_ids(spec)
-    ref = RefDecoder(weights, cfg, **ref_kwargs(spec))
+    ref = RefDecoder(numpy_weights(loaded.model), ref_config(loaded.config), **ref_kwargs(spec))
     expected = []
     for t, target in zip(ids[:-1], ids[1:]):
         x = ref.step(int(t))
@@ -138,7 +132,7 @@ def test_token_by_token_nll_equals_reference_decoder():
 # ---- recomputation baseline -------------------------------------------------------------------
 
 def test_recompute_equals_full_cache_when_window_covers_text():
-    loaded = tiny_loaded()
+    loaded = tiny_loaded(tokenizer=False)
     ids = tokens_for(40, seed=6)
     full = one_pass_nll(loaded, ids)
     np.testing.assert_allclose(recompute_nll(loaded, ids, window=64, batch=8), full, atol=1e-5, rtol=0)
@@ -150,7 +144,7 @@ def test_recompute_equals_full_cache_when_window_covers_text():
 
 @pytest.mark.parametrize("sink,window", [(0, 8), (2, 6)])
 def test_recompute_scores_each_token_from_its_reencoded_window(sink, window):
-    loaded = tiny_loaded()
+    loaded = tiny_loaded(tokenizer=False)
     ids = tokens_for(30, seed=7)
     nll = recompute_nll(loaded, ids, window=window, sink=sink, batch=8)
     for j in (1, 2, sink + window, sink + window + 1, 17, 29):
@@ -182,7 +176,7 @@ def test_perplexity_by_range():
 
 
 def test_errors_name_the_problem():
-    loaded = tiny_loaded()
+    loaded = tiny_loaded(tokenizer=False)
     for fn in (token_nll, lambda m, t: recompute_nll(m, t, window=4)):
         with pytest.raises(JaxkvError, match="has 1 token;"):
             fn(loaded, [5])

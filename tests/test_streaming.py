@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import decode_loop_hlo, materialised_buffers, ref_kwargs, tiny_model
-from reference import RefDecoder
+from conftest import decode_loop_hlo
+from reference import RefDecoder, ref_config, ref_kwargs
 from jaxkv import CacheSpec, CacheFullError, JaxkvError, KVCache, forward, prefill, sample
-from jaxkv.io import LoadedModel
+from jaxkv.testing import materialised_buffers, numpy_weights, tiny_loaded, tiny_model
 
 PAIRS = [(0, 8), (4, 8), (4, 13), (1, 1), (2, 64)]
 
 
 def new_cache(spec, batch=1, model=None):
-    c = (model or tiny_model()[0]).config
+    c = (model or tiny_model()).config
     return KVCache.create(spec, batch=batch, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
 
 
@@ -33,7 +33,7 @@ STEP = jax.jit(forward, static_argnums=0, donate_argnames="cache")
 
 def decode(spec, tokens, model=None):
     """Token-by-token logits float32[T, V] and the final cache."""
-    model = model or tiny_model()[0]
+    model = model or tiny_model()
     gd, st = nnx.split(model)
     cache = new_cache(spec, model=model)
     rows = []
@@ -43,28 +43,9 @@ def decode(spec, tokens, model=None):
     return np.stack(rows), cache
 
 
-def chunked(spec, tokens, chunk, model=None, cache=None, sizes=None):
-    """Logits of every token when the sequence is streamed in chunks of up to ``chunk``
-    (planned by ``Policy.plan_chunk``); each chunk's token count is appended to ``sizes`` if given."""
-    model = model or tiny_model()[0]
-    gd, st = nnx.split(model)
-    cache = cache if cache is not None else new_cache(spec, model=model)
-    rows, i = [], 0
-    while i < len(tokens):
-        n = int(spec.policy.plan_chunk(np.asarray(cache.length), np.asarray([len(tokens) - i]), chunk)[0])
-        buf = np.zeros((1, chunk), np.int32)
-        buf[0, :n] = tokens[i : i + n]
-        logits, cache = STEP(gd, st, jnp.asarray(buf), jnp.asarray([n], jnp.int32), cache)
-        rows.append(np.asarray(logits[0, :n]))
-        if sizes is not None:
-            sizes.append(n)
-        i += n
-    return np.concatenate(rows), cache
-
-
 def reference_logits(spec, tokens):
-    _, weights, cfg = tiny_model()
-    ref = RefDecoder(weights, cfg, **ref_kwargs(spec))
+    model = tiny_model()
+    ref = RefDecoder(numpy_weights(model), ref_config(model.config), **ref_kwargs(spec))
     return np.stack([ref.step(int(t)) for t in tokens]), ref
 
 
@@ -85,7 +66,7 @@ def test_decode_matches_reference_across_three_wraps(sink, window, positions):
 
 @pytest.mark.parametrize("positions", ["absolute", "cache"])
 @pytest.mark.parametrize("sink,window,chunk", [(4, 8, 8), (4, 13, 4), (1, 1, 1), (2, 64, 16), (0, 8, 8)])
-def test_chunked_prefill_equals_token_by_token(sink, window, chunk, positions):
+def test_chunked_prefill_equals_token_by_token(sink, window, chunk, positions, chunked):
     """A prompt several times longer than the cache streams through in chunks; every
     query's logits equal token-by-token decoding (and the reference)."""
     spec = CacheSpec(sink=sink, window=window, positions=positions)
@@ -107,7 +88,7 @@ def expected_slots(spec, total):
 
 
 @pytest.mark.parametrize("offset", [-1, 0, 1, 8, 9])
-def test_total_lengths_land_in_right_slots(offset):
+def test_total_lengths_land_in_right_slots(offset, chunked):
     """Total lengths W-1, W, W+1, 2W, 2W+1 (W=8, S0=4) after chunked prefill."""
     spec = CacheSpec(sink=4, window=8)
     total = spec.window + offset
@@ -117,10 +98,10 @@ def test_total_lengths_land_in_right_slots(offset):
     assert int(cache.length[0]) == total and int(cache.stored()[0]) == min(total, 12)
 
 
-def test_chunk_crossing_ring_end_is_split_at_the_wrap():
+def test_chunk_crossing_ring_end_is_split_at_the_wrap(chunked):
     spec = CacheSpec(sink=4, window=8)
     tokens = tokens_for(4 + 6 + 5, seed=3)
-    model = tiny_model()[0]
+    model = tiny_model()
     gd, st = nnx.split(model)
     # fill to two slots before the ring end, then write a 5-token chunk that wraps
     _, cache = chunked(spec, tokens[:10], chunk=8)
@@ -136,8 +117,8 @@ def test_chunk_crossing_ring_end_is_split_at_the_wrap():
 @pytest.mark.parametrize("positions", ["absolute", "cache"])
 def test_ragged_batch_rows_equal_rows_alone(positions):
     spec = CacheSpec(sink=4, window=8, positions=positions)
-    model, _, _ = tiny_model()
-    loaded = LoadedModel(config=model.config, model=model, tokenizer=None)
+    loaded = tiny_loaded(tokenizer=False)
+    model = loaded.model
     prompts = [tokens_for(3, 10), tokens_for(8 + 7, 11), tokens_for(2 * 8 + 1, 12)]
     cache, last = prefill(loaded, new_cache(spec, batch=3), prompts, chunk=8)
     gd, st = nnx.split(model)
@@ -154,7 +135,7 @@ def test_ragged_batch_rows_equal_rows_alone(positions):
 
 
 def test_decode_step_traces_once_and_donated_cache_is_aliased():
-    model, _, _ = tiny_model()
+    model = tiny_model()
     gd, st = nnx.split(model)
     spec = CacheSpec(sink=2, window=5, positions="cache")
 
@@ -187,8 +168,8 @@ def test_spec_validation_errors():
 
 
 def test_full_cache_refuses_to_overflow():
-    model, _, _ = tiny_model()
-    loaded = LoadedModel(config=model.config, model=model, tokenizer=None)
+    loaded = tiny_loaded(tokenizer=False)
+    model = loaded.model
     with pytest.raises(CacheFullError, match="max_len=8"):
         prefill(loaded, new_cache(CacheSpec(max_len=8)), [tokens_for(9)])
     # the jitted step admits only what fits: no out-of-bounds write, length stops at max_len
@@ -237,7 +218,7 @@ def test_decode_loop_writes_the_window_in_place_and_never_copies_it(kv_quantize)
     """The only whole-window buffers the compiled decode loop writes are the in-place ring
     updates: no copy, no conversion of the window (bf16: XLA CPU converts a whole bfloat16
     operand to float32 to slice or update it, so bf16 storage is held as int16 bit patterns)."""
-    model, _, _ = tiny_model(head_dim=64)
+    model = tiny_model(head_dim=64)
     c = model.config
     spec = CacheSpec(sink=4, window=508, kv_quantize=kv_quantize)
     whole = (c.n_layers, 1, c.n_kv_heads, spec.n_ring, c.head_dim)

@@ -1,19 +1,16 @@
 """Tokenizers against SentencePiece, llama.cpp's golden ids and round trips on real text."""
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
+import paths
+from paths import MODELS, SMOLLM2
 from jaxkv.errors import JaxkvError, ModelFileError
 from jaxkv.io import Tokenizer, load_gguf_tokenizer, load_tokenizer
 
-DATA = Path(os.environ.get("JAXKV_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
-MODELS = DATA / "models"
-SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
-GOLDEN = json.loads((DATA / "golden" / "golden.json").read_text())
-TEXT = (DATA / "text" / "tinystories_valid_head.txt").read_text(encoding="utf-8")
+GOLDEN = json.loads(paths.GOLDEN.read_text())
+TEXT = paths.TEXT.read_text(encoding="utf-8")
 # Lines with mojibake (non-ASCII), double and trailing spaces are all in the first ~6500.
 LINES = TEXT.split("\n")[:300] + [line for line in TEXT.split("\n") if "  " in line or "\u00e2" in line]
 ODD = ["", " ", "  hi  there  ", "héllo wörld 😀 日本", "x\n\n y \n", "a<s>b</s> c", "123 4567", "\t tab", "ünïcödé\r\n"]

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO
-from reference import RefDecoder, rms_norm, rope, silu
+from paths import REPO
+from reference import RefDecoder, ref_kwargs, rms_norm, rope, silu
 from jaxkv import CacheSpec, KVCache, forward, memory_report, sample
 
 _spec = importlib.util.spec_from_file_location("yoco_flax", REPO / "examples" / "yoco_flax.py")
@@ -67,21 +67,12 @@ class RefYoco(RefDecoder):
         self.yoco_cfg, self.yw = c, numpy_weights(model)
         self.cross_entry = c.n_self_layers if cross_entry is None else cross_entry  # a test of the test may move it
         super().__init__({}, dict(n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                                  theta=c.rope_theta, eps=c.norm_eps),
-                         sink=spec.sink, window=spec.window, bits=spec.bits if spec.quantized else None,
-                         group_size=spec.group_size, residual=spec.residual, positions=spec.positions,
-                         scale_dtype=np.dtype(spec.scale_dtype).type)
+                                  theta=c.rope_theta, eps=c.norm_eps), **ref_kwargs(spec))
 
     def step(self, token):
         c, w, t = self.yoco_cfg, self.yw, self.t
         nh, nkv, hd, theta, eps = c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.norm_eps
-        entries = c.n_self_layers + 1
-        self.k[t] = np.zeros((entries, nkv, hd))
-        self.v[t] = np.zeros((entries, nkv, hd))
-        self._retain(t)
-        sinks, rest, flushed = self.retained(t)
-        keys = sorted(sinks + rest + flushed)
-        ranks = {p: i for i, p in enumerate(keys)}
+        keys, ranks, flushed = self._admit(c.n_self_layers + 1)
         flushed = set(flushed)
         absolute = self.positions == "absolute"
 

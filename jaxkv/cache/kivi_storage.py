@@ -83,6 +83,11 @@ class KiviStorage(Storage):
         # tokens have been flushed, the rest sit in the residual
         return self.residual * max(1, (policy.max_len - 1) // self.residual)
 
+    def window_for(self, retained: int) -> int:
+        """The residual counts towards the retained tokens; the window is whole groups."""
+        window = retained - self.residual
+        return window - window % self.group_size
+
     def check(self, head_dim: int) -> None:
         per_byte = 8 // self.bits
         if head_dim % per_byte:

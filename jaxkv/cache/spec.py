@@ -23,6 +23,14 @@ KV_MODES = FLOAT_MODES + QUANT_MODES
 SCALE_DTYPES = ("float16", "float32")
 
 
+def make_storage(kv_quantize: str, *, group_size: int = 32, residual: int = 128, scale_dtype: str = "float16") -> Storage:
+    """The :class:`Storage` a ``kv_quantize`` mode names (values as :class:`CacheSpec` takes them;
+    validated there). The one place a storage kind is chosen by name."""
+    if kv_quantize in QUANT_MODES:
+        return KiviStorage(kind=kv_quantize, group_size=group_size, residual=residual, scale_dtype=scale_dtype)
+    return FloatStorage(kind=kv_quantize)
+
+
 def _check_int(name, value, minimum):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise JaxkvError(f"CacheSpec.{name}={value!r}: expected an integer >= {minimum}")
@@ -102,10 +110,8 @@ class CacheSpec:
     @functools.cached_property
     def storage(self) -> Storage:
         """The :class:`jaxkv.cache.storage.Storage` of ``kv_quantize`` (float or KIVI)."""
-        if self.kv_quantize in QUANT_MODES:
-            return KiviStorage(kind=self.kv_quantize, group_size=self.group_size, residual=self.residual,
-                               scale_dtype=self.scale_dtype)
-        return FloatStorage(kind=self.kv_quantize)
+        return make_storage(self.kv_quantize, group_size=self.group_size, residual=self.residual,
+                            scale_dtype=self.scale_dtype)
 
     @functools.cached_property
     def policy(self) -> Policy:

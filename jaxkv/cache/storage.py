@@ -64,6 +64,11 @@ class Storage:
         """Token slots of the compressed store (0: none)."""
         return 0
 
+    def window_for(self, retained: int) -> int:
+        """The largest StreamingLLM window whose cache retains at most ``retained`` tokens
+        after the sinks (may be < 1: then none fits)."""
+        return retained
+
     # ---- the compressed store (none for float storage) ---------------------------------------------
     def check(self, head_dim: int) -> None:
         """Raise :class:`jaxkv.errors.JaxkvError` if ``head_dim`` cannot be stored."""

@@ -85,6 +85,22 @@ def _metadata(reader: gguf.GGUFReader, name: str) -> dict:
         raise ModelFileError(f"{name}: corrupt GGUF metadata: a string is not UTF-8 ({e})") from None
 
 
+def gguf_metadata(path: str | os.PathLike) -> dict:
+    """The metadata of a GGUF file, reading no tensors.
+
+    Returns:
+      ``{key: value}`` with plain Python values (str, int, float, bool, or lists of them),
+      e.g. ``"general.architecture": "llama"``, ``"llama.block_count": 30``; what
+      :meth:`LlamaConfig.from_gguf` and :meth:`Tokenizer.from_gguf_metadata` read.
+
+    Raises:
+      ModelFileError: naming the file, if it is unreadable, not a GGUF file, truncated, or
+        holds a string that is not UTF-8.
+    """
+    name = os.path.basename(os.fspath(path))
+    return _metadata(_open(path, name), name)
+
+
 def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """The :class:`Tokenizer` of a GGUF file, reading its metadata only (no tensors).
 
@@ -92,8 +108,7 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
       ModelFileError: naming the file, if it is not a readable GGUF file.
       JaxkvError: if its tokenizer is of an unsupported kind.
     """
-    name = os.path.basename(os.fspath(path))
-    return Tokenizer.from_gguf_metadata(_metadata(_open(path, name), name), name=name)
+    return Tokenizer.from_gguf_metadata(gguf_metadata(path), name=os.path.basename(os.fspath(path)))
 
 
 def load_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, np.ndarray], Tokenizer]:

@@ -36,7 +36,7 @@ from safetensors import safe_open
 
 from jaxkv.errors import JaxkvError, ModelFileError
 from jaxkv.io import registry
-from jaxkv.io.tokenizer import Tokenizer, _HFBackend
+from jaxkv.io.tokenizer import Tokenizer
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -67,8 +67,16 @@ def _read_json(path: str, what: str) -> dict:
     return data
 
 
-class _Shard:
-    """One safetensors file, opened once; tensors are read on demand as numpy arrays."""
+class SafetensorsFile:
+    """One safetensors file, opened once; tensors are read on demand as numpy arrays.
+
+    Attributes:
+      path: the file.
+      names: the names of its tensors.
+
+    Raises (constructor):
+      ModelFileError: naming the file, if safetensors cannot open it.
+    """
 
     def __init__(self, path: str):
         self.path = path
@@ -79,14 +87,27 @@ class _Shard:
             raise ModelFileError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
     def get(self, name: str) -> np.ndarray:
+        """Tensor ``name`` in its stored shape and dtype (bfloat16 as ``ml_dtypes.bfloat16``),
+        through safetensors, or through :meth:`read_raw` where this safetensors version
+        has no numpy bfloat16.
+
+        Raises:
+          ModelFileError: naming the file and tensor, if it cannot be read.
+        """
         try:
             return self._file.get_tensor(name)
         except (TypeError, ValueError):  # an older safetensors without numpy bf16: read the bytes ourselves
-            return self._raw(name)
+            return self.read_raw(name)
         except Exception as e:
             raise ModelFileError(f"{self.path}: cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
 
-    def _raw(self, name: str) -> np.ndarray:
+    def read_raw(self, name: str) -> np.ndarray:
+        """Tensor ``name`` read from the file's bytes without safetensors (the header's
+        offsets; little-endian F32, F16, BF16, F64, F8_E4M3 or F8_E5M2), in its stored shape and dtype.
+
+        Raises:
+          ModelFileError: naming the file and tensor, for any other dtype.
+        """
         with open(self.path, "rb") as f:
             n = int(np.frombuffer(f.read(8), "<u8")[0])
             header = json.loads(f.read(n))
@@ -99,7 +120,7 @@ class _Shard:
         return np.frombuffer(data.tobytes(), dtype=np.dtype(dtype).newbyteorder("<")).reshape(info["shape"])
 
 
-def _shards(folder: str) -> dict[str, _Shard]:
+def _shards(folder: str) -> dict[str, SafetensorsFile]:
     """Tensor name -> the shard holding it (from the index, or the single file)."""
     index_path, single_path = os.path.join(folder, INDEX), os.path.join(folder, SINGLE)
     if os.path.isfile(index_path):
@@ -110,14 +131,14 @@ def _shards(folder: str) -> dict[str, _Shard]:
         missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
         if missing:
             raise ModelFileError(f"{folder}: shard file(s) {', '.join(missing)} listed in {INDEX} are missing")
-        opened = {f: _Shard(os.path.join(folder, f)) for f in files}
+        opened = {f: SafetensorsFile(os.path.join(folder, f)) for f in files}
         return {name: opened[f] for name, f in weight_map.items()}
     if os.path.isfile(single_path):
-        shard = _Shard(single_path)
+        shard = SafetensorsFile(single_path)
         return {name: shard for name in shard.names}
     others = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if len(others) == 1:
-        shard = _Shard(os.path.join(folder, others[0]))
+        shard = SafetensorsFile(os.path.join(folder, others[0]))
         return {name: shard for name in shard.names}
     hint = ""
     if any(f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(folder)):
@@ -250,7 +271,7 @@ def load_hf_tokenizer(folder: str, hf_config: dict | None = None) -> Tokenizer:
     else:
         probe = hf.encode("a", add_special_tokens=True).ids
         add_bos = bos_id is not None and bool(probe) and probe[0] == bos_id
-    return Tokenizer(_HFBackend(hf), bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, chat_template=template, name=name)
+    return Tokenizer.from_hf(hf, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, chat_template=template, name=name)
 
 
 def load_hf(folder: str | os.PathLike, *, tokenizer: bool = True) -> tuple[Any, dict[str, np.ndarray], Tokenizer | None]:

@@ -120,6 +120,40 @@ class Tokenizer:
         )
 
     @classmethod
+    def from_hf(
+        cls,
+        tokenizer: HFTokenizer,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos: bool,
+        chat_template: str | None = None,
+        name: str = "tokenizer",
+    ) -> "Tokenizer":
+        """Wrap a Hugging Face ``tokenizers.Tokenizer`` object (read from a file or built in
+        memory, as :func:`jaxkv.testing.tiny_tokenizer` does).
+
+        Args:
+          tokenizer: the ``tokenizers.Tokenizer``; its added special tokens written in the
+            text encode to their single ids, and decoding skips them.
+          bos_id, eos_id: BOS and EOS ids (None: the vocabulary has none).
+          add_bos: whether :meth:`encode` prepends BOS by default.
+          chat_template: a Jinja chat template, or None.
+          name: where the vocabulary came from, for messages.
+
+        Raises:
+          JaxkvError: ``bos_id`` or ``eos_id`` outside ``[0, vocab_size)`` (named), or
+            ``add_bos`` without a ``bos_id``.
+        """
+        backend = _HFBackend(tokenizer)
+        for role, token_id in (("bos_id", bos_id), ("eos_id", eos_id)):
+            if token_id is not None and not 0 <= token_id < backend.vocab_size:
+                raise JaxkvError(f"{name}: {role}={token_id!r} is not an id of the {backend.vocab_size}-token vocabulary")
+        if add_bos and bos_id is None:
+            raise JaxkvError(f"{name}: add_bos=True needs a bos_id")
+        return cls(backend, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, chat_template=chat_template, name=name)
+
+    @classmethod
     def from_llama2c(cls, path: str | os.PathLike, *, remove_extra_whitespaces: bool = True) -> "Tokenizer":
         """From a llama2.c ``tokenizer.bin`` (BOS 1, EOS 2, BOS added by default).
 
