@@ -324,10 +324,10 @@ def test_two_processes_on_one_global_mesh_write_the_one_process_results(tmp_path
 
 def test_row_seeds_make_one_key_per_row_and_a_wrong_count_is_refused():
     from jaxkv import JaxkvError
-    from jaxkv.decode import prng_keys as _prng_keys
+    from jaxkv.decode import prng_keys
 
-    assert _prng_keys(3, 2).shape == (2,)
-    keys = np.asarray(_prng_keys([5, 6, 5], 3))
+    assert prng_keys(3, 2).shape == (2,)
+    keys = np.asarray(prng_keys([5, 6, 5], 3))
     assert keys.shape == (3, 2) and (keys[0] == keys[2]).all() and (keys[0] != keys[1]).any()
     with pytest.raises(JaxkvError, match="one per row"):
-        _prng_keys([1, 2, 3], 2)
+        prng_keys([1, 2, 3], 2)

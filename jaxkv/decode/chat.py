@@ -59,7 +59,7 @@ from flax import nnx
 from jaxkv.cache.checkpoint import load_cache, save_cache
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.memory import format_bytes, memory_report
-from jaxkv.cache.spec import CacheSpec
+from jaxkv.cache.spec import QUANT_MODES, CacheSpec
 from jaxkv.decode.loop import FINISH_REASONS, new_cache, prefill_and_decode
 from jaxkv.decode.prompt import check_token_ids, reply_text
 from jaxkv.decode.sampler import Sampler
@@ -97,14 +97,15 @@ def default_cache_spec(
     """
     total = min(slots, config.max_seq_len)
     window = total - sink
-    if kv_quantize in ("int8", "int4", "int2"):
+    quantized = kv_quantize in QUANT_MODES
+    if quantized:
         window -= residual
         if isinstance(group_size, int) and group_size > 0:
             window -= window % group_size
     if window < 1:
         raise JaxkvError(
             f"default chat cache: {total} retained tokens leave no window after sink={sink}"
-            + (f" and residual={residual}" if kv_quantize in ("int8", "int4", "int2") else "")
+            + (f" and residual={residual}" if quantized else "")
             + "; pass --streaming-llm-window M (CacheSpec(window=M)) explicitly"
         )
     return CacheSpec(sink=sink, window=window, kv_quantize=kv_quantize, group_size=group_size,
