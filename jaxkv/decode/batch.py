@@ -250,7 +250,7 @@ def run_rows(
         ``full_cache_len`` of that.
       top_k, top_p: sampler settings shared by all rows (temperatures are per row).
       block: decode steps per compiled call. eos_id: stop token (None = never stop on one).
-      mesh: a :func:`jaxkv.parallel.make_mesh` mesh to shard over, or None (one device).
+      mesh: a :func:`jaxkv.decode.parallel.make_mesh` mesh to shard over, or None (one device).
       progress: show a tqdm bar on stderr. stats: a :class:`BatchStats` to add counters to.
       on_batch: called after each batch with the indices (into ``rows``) of its rows and the
         :class:`jaxkv.BatchGeneration` (rows in batch order, filler rows last; its ``cache``
