@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv.errors import JaxkvError
+from jaxkv.errors import JaxkvError, check_int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,8 +33,8 @@ class Sampler:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise JaxkvError(f"temperature={t!r}: expected a finite number >= 0 (0 = greedy)")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
-            raise JaxkvError(f"top_k={self.top_k!r}: expected an integer >= 1")
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, 1)
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise JaxkvError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
 
