@@ -13,12 +13,12 @@ Public API::
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.memory import MemoryReport, memory_report
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
-from jaxkv.chat import ChatSession
+from jaxkv.decode import BatchGeneration, Generation, Sampler, decode, generate, prefill, sample
+from jaxkv.decode.chat import ChatSession
 from jaxkv.errors import CacheFullError, JaxkvError, ModelFileError
 from jaxkv.io import LoadedModel, load_model
 from jaxkv.models.llama import Llama, LlamaConfig
 from jaxkv.models.step import forward
-from jaxkv.sampling import BatchGeneration, Generation, Sampler, decode, generate, prefill, sample
 
 __all__ = [
     "CacheFullError",

@@ -16,3 +16,25 @@ class ModelFileError(JaxkvError):
 
 class CacheFullError(JaxkvError):
     """A full (unbounded) KV cache would exceed its ``max_len`` slots."""
+
+
+def check_int(name: str, value, minimum: int, maximum: int | None = None, *, spaced: bool | None = None) -> int:
+    """``value`` as an int, checked to be an integer (not a bool) in ``[minimum, maximum)``.
+
+    Args:
+      name: what to call the value in the message: an argument (``max_new_tokens``, shown as
+        ``max_new_tokens=0``) or a flag (``--tokens``, shown as ``--tokens 0``).
+      spaced: show ``name value`` (True) or ``name=value`` (False); None = spaced for a flag.
+    Raises:
+      JaxkvError: naming the value and the accepted range.
+    """
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum or (
+        maximum is not None and value >= maximum
+    ):
+        spaced = name.startswith("-") if spaced is None else spaced
+        shown = f"{name} {value!r}" if spaced else f"{name}={value!r}"
+        bound = f"in [{minimum}, {maximum})" if maximum is not None else f">= {minimum}"
+        raise JaxkvError(f"{shown}: expected an integer {bound}")
+    return int(value)

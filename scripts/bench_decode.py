@@ -1,5 +1,5 @@
 """Decode benchmark: decode ms/token by cache mode and generated length beside a memory-bandwidth
-roofline; the same as ``jaxkv bench`` (method: jaxkv/bench.py, results: docs/PERFORMANCE.md).
+roofline; the same as ``jaxkv bench`` (method: jaxkv/eval/bench.py, results: docs/PERFORMANCE.md).
 
     python scripts/bench_decode.py ../shared/data/models/stories260K.bin \
         --modes full,sink4+252,sink4+256:int8,sink4+256:int4 --lengths 256,1024,4096 --json out.json --plot out.png

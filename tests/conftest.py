@@ -72,16 +72,9 @@ def chunked():
 
 
 def decode_loop_hlo(model, spec) -> str:
-    """The compiled HLO text of jaxkv's decode loop (``sampling._decode_block``) for one row."""
-    import jax.numpy as jnp
+    """The compiled HLO text of jaxkv's decode loop (:func:`jaxkv.decode.lower_decode`) for one row."""
+    from jaxkv.decode import Sampler, lower_decode, new_cache
 
-    from jaxkv import KVCache
-    from jaxkv.sampling import Sampler, _decode_block, _LoopState
+    cache = new_cache(model.config, spec, 1)
+    return lower_decode(model, cache, sampler=Sampler(), block=4, eos_id=None, max_new_tokens=5).compile().as_text()
 
-    c = model.config
-    cache = KVCache.create(spec, batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
-    loop = _LoopState(logits=jnp.zeros((1, c.vocab_size)), done=jnp.zeros((1,), bool), reason=jnp.zeros((1,), jnp.int32),
-                      generated=jnp.zeros((1,), jnp.int32), step=jnp.int32(0))
-    gd, st = nnx.split(model)
-    return _decode_block.lower(gd, st, cache, loop, jnp.full((1,), 5, jnp.int32), jax.random.PRNGKey(0),
-                               sampler=Sampler(), block=4, eos_id=None).compile().as_text()

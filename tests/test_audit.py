@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from jaxkv import audit
+from jaxkv.eval import audit
 
 
 @pytest.mark.parametrize("mode", audit.MODES, ids=["/".join(m) for m in audit.MODES])
@@ -74,7 +74,7 @@ def test_f64_is_reported_under_x64():
     code = textwrap.dedent(
         """
         import jax, jax.numpy as jnp
-        from jaxkv.audit import audit_function
+        from jaxkv.eval.audit import audit_function
         assert jnp.arange(2.0).dtype == jnp.float64
         found = audit_function(lambda x: x * 2, jnp.arange(4.0))
         print(len(found), sorted({f.split(': ')[1] for f in found}))

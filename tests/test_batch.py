@@ -22,7 +22,7 @@ import pytest
 
 from paths import REPO, STORIES_BIN, TOK512_MODEL
 from jaxkv import CacheSpec, generate, sample
-from jaxkv.batch import Row, parse_requests, padded_batch_size, plan_batches, run_rows, write_jsonl_atomic
+from jaxkv.decode.batch import Row, parse_requests, padded_batch_size, plan_batches, run_rows, write_jsonl_atomic
 from jaxkv.cache.ring import write_ring
 from jaxkv.cli import main
 from jaxkv.testing import tiny_loaded
@@ -95,10 +95,10 @@ SHARDED = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     jax.config.update("jax_platforms", "cpu")
     from flax import nnx
+    from jaxkv import CacheSpec, KVCache
+    from jaxkv.decode import Sampler, lower_decode, parallel
+    from jaxkv.decode.batch import Row, run_rows
     from jaxkv.testing import tiny_loaded
-    from jaxkv import CacheSpec, KVCache, parallel
-    from jaxkv.batch import Row, run_rows
-    from jaxkv.sampling import Sampler, _LoopState, _decode_block
 
     assert jax.device_count() == 4, jax.devices()
 
@@ -137,12 +137,8 @@ SHARDED = textwrap.dedent(
             x.sharding.is_equivalent_to(y.sharding, x.ndim) and bool((np.asarray(x) == np.asarray(y)).all())
             for x, y in zip(jax.tree.leaves(made), jax.tree.leaves(placed))))
         if name == "int4":  # the compiled decode loop moves no cache between devices: no all-gather
-            b = cache.batch
-            loop = _LoopState(logits=jnp.zeros((b, c.vocab_size)), done=jnp.zeros((b,), bool),
-                              reason=jnp.zeros((b,), jnp.int32), generated=jnp.zeros((b,), jnp.int32), step=jnp.int32(0))
-            gd, st = nnx.split(parallel.shard_model(lm, mesh).model)
-            hlo = _decode_block.lower(gd, st, cache, loop, jnp.full((b,), 5, jnp.int32), jax.random.PRNGKey(0),
-                                      sampler=Sampler(), block=4, eos_id=None).compile().as_text()
+            hlo = lower_decode(parallel.shard_model(lm, mesh), cache, sampler=Sampler(), block=4, eos_id=None,
+                               max_new_tokens=5).compile().as_text()
             out["collectives"] = sorted(set(re.findall(r"(all-gather|all-to-all|collective-permute|all-reduce)\\(", hlo)))
     print("RESULT " + json.dumps(out))
     """
@@ -321,10 +317,10 @@ def test_two_processes_on_one_global_mesh_write_the_one_process_results(tmp_path
 
 def test_row_seeds_make_one_key_per_row_and_a_wrong_count_is_refused():
     from jaxkv import JaxkvError
-    from jaxkv.sampling import _prng_keys
+    from jaxkv.decode import prng_keys
 
-    assert _prng_keys(3, 2).shape == (2,)
-    keys = np.asarray(_prng_keys([5, 6, 5], 3))
+    assert prng_keys(3, 2).shape == (2,)
+    keys = np.asarray(prng_keys([5, 6, 5], 3))
     assert keys.shape == (3, 2) and (keys[0] == keys[2]).all() and (keys[0] != keys[1]).any()
     with pytest.raises(JaxkvError, match="one per row"):
-        _prng_keys([1, 2, 3], 2)
+        prng_keys([1, 2, 3], 2)

@@ -23,10 +23,10 @@ import jax
 import numpy as np
 import pytest
 
-from paths import SMOLLM2, STORIES_BIN, TOK512_MODEL
+from paths import REPO, SMOLLM2, STORIES_BIN, TOK512_MODEL
 from reference import RefDecoder, ref_config, ref_kwargs
 from jaxkv import CacheFullError, CacheSpec, ChatSession, JaxkvError, LoadedModel, Sampler, generate, load_model
-from jaxkv.chat import default_cache_spec
+from jaxkv.decode.chat import default_cache_spec
 from jaxkv.models.llama import Llama
 from jaxkv.testing import numpy_weights, tiny_model
 
@@ -269,6 +269,49 @@ def test_load_refuses_other_models_specs_and_damaged_files(tmp_path):
     with pytest.raises(JaxkvError, match="no such chat cache file"):
         ChatSession.load(tmp_path / "missing.safetensors", model)
     assert ChatSession.load(path, model).transcript_ids == session.transcript_ids
+
+
+@pytest.mark.parametrize("storage", ["fp32", "int4", "bf16"])
+def test_jaxkv_chat_2_files_written_before_the_checkpoint_module_still_load(tmp_path, storage):
+    """tests/data/chat-v2-*.safetensors were written by ChatSession.save as of 5cfd819 (before the
+    save/load moved to jaxkv.cache.checkpoint): they load, continue identically, and re-save the
+    same arrays and metadata (checksum included)."""
+    import safetensors
+
+    golden = REPO / "tests" / "data" / f"chat-v2-{storage}.safetensors"
+    expected = json.loads((REPO / "tests" / "data" / "chat-v2-expected.json").read_text())[storage]
+    session = ChatSession.load(golden, stories_chat())
+    assert session.transcript_ids == expected["transcript"]
+    session.save(tmp_path / "again.safetensors")
+    for_both = []
+    for path in (golden, tmp_path / "again.safetensors"):
+        with safetensors.safe_open(str(path), framework="np") as f:
+            for_both.append((f.metadata(), {k: f.get_tensor(k).tobytes() for k in f.keys()}))
+    assert for_both[0] == for_both[1]
+    assert session.send("More") == expected["next"]
+    assert str(session.stats()) == expected["stats"]
+
+
+def test_cache_checkpoint_round_trips_any_cache_and_refuses_mismatches(tmp_path):
+    from jaxkv.cache.checkpoint import load_cache, save_cache
+    from jaxkv.decode import new_cache, prefill
+
+    loaded = stories_chat()
+    for spec in (SPEC16, KIVI, CacheSpec(max_len=64, kv_quantize="bf16")):
+        cache, _ = prefill(loaded, new_cache(loaded.config, spec, 2), [[1, 5, 9] * 9, [1, 7]])
+        path = tmp_path / "cache.safetensors"
+        save_cache(path, cache, {"note": "hi"}, arrays={"extra": np.arange(3, dtype=np.int32)})
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        back, arrays, meta = load_cache(path, new_cache(loaded.config, spec, 2))
+        assert meta["note"] == "hi" and meta["format"] == "jaxkv-cache/1" and list(arrays) == ["extra"]
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(cache)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        with pytest.raises(JaxkvError, match="another cache spec"):
+            load_cache(path, new_cache(loaded.config, CacheSpec(sink=4, window=32), 2))
+        with pytest.raises(JaxkvError, match="expected"):  # one row, not two
+            load_cache(path, new_cache(loaded.config, spec, 1))
+        with pytest.raises(JaxkvError, match="not a jaxkv cache file"):
+            load_cache(path, cache, file_format="jaxkv-other/1")
 
 
 @pytest.mark.parametrize("fail", ["replace", "fsync"])

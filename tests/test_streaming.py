@@ -201,16 +201,16 @@ def test_stories260k_streams_4000_tokens_with_bounded_cache(stories, positions):
 def test_sample_compiles_once_per_spec_and_batch(stories):
     """Different prompts (within one power-of-two prefill bucket) and generation lengths with one
     cache spec reuse the compiled prefill and decode."""
-    from jaxkv import sampling
+    from jaxkv.decode import compile_counts
 
     spec = CacheSpec(sink=4, window=28)
     sample(stories, "Once upon a time", max_new_tokens=5, cache=spec)
-    decode_before, prefill_before = sampling._decode_block._cache_size(), sampling._prefill_chunk._cache_size()
+    decode_before, prefill_before = compile_counts()["decode"], compile_counts()["prefill"]
     for prompt, n in (("One day, a dog", 40), ("The sun was hot", 70)):
         assert len(stories.tokenizer.encode(prompt)) <= 8
         sample(stories, prompt, max_new_tokens=n, cache=spec)
-    assert sampling._decode_block._cache_size() == decode_before
-    assert sampling._prefill_chunk._cache_size() == prefill_before
+    assert compile_counts()["decode"] == decode_before
+    assert compile_counts()["prefill"] == prefill_before
 
 
 @pytest.mark.parametrize("kv_quantize", ["fp32", "fp16", "bf16"])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxkv import CacheSpec, ChatSession, JaxkvError, generate, sample
-from jaxkv.batch import parse_requests, run_requests
+from jaxkv.decode.batch import parse_requests, run_requests
 from jaxkv.io import Tokenizer
 from jaxkv.models.llama import Llama
 from jaxkv.testing import (TINY_CONFIG, materialised_buffers, numpy_weights, tiny_config, tiny_loaded, tiny_model,

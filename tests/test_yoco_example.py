@@ -219,7 +219,7 @@ def test_example_main_prints_the_saving(capsys):
 
 
 def test_yoco_decode_path_is_free_of_metal_hazards(loaded):
-    from jaxkv import audit
+    from jaxkv.eval import audit
 
     programs = audit.audit_cache_mode(SPEC, loaded.model, samplers=("greedy",))
     assert {name: f for name, f in programs.items() if f} == {}

@@ -22,6 +22,7 @@ are ranges of ``i``.
 from __future__ import annotations
 
 import functools
+import io
 import math
 import sys
 from collections.abc import Sequence
@@ -32,9 +33,10 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxkv.cache.kv import KVCache
 from jaxkv.cache.spec import CacheSpec
-from jaxkv.errors import CacheFullError, JaxkvError
+from jaxkv.decode import check_token_ids, chunk_len, count_compiles, new_cache, plan_chunks
+from jaxkv.errors import CacheFullError, JaxkvError, check_int
+from jaxkv.files import atomic_write
 from jaxkv.io import LoadedModel
 from jaxkv.models.step import forward
 
@@ -54,7 +56,7 @@ def _target_nll(logits, targets, n):
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnames=("cache",))
-def _nll_chunk(graphdef, state, tokens, targets, n, cache):
+def nll_chunk(graphdef, state, tokens, targets, n, cache):
     """One streamed chunk: append ``tokens[B, T]`` (``n[b]`` valid) and score ``targets[B, T]``.
 
     Returns ``(nll float32[B, T], cache)``; the cache is donated (updated in place).
@@ -63,27 +65,25 @@ def _nll_chunk(graphdef, state, tokens, targets, n, cache):
     return _target_nll(logits, targets, n), cache
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("shape",))
-def _recompute_batch(graphdef, state, tokens, n, targets, *, shape):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("config",))
+def _recompute_batch(graphdef, state, tokens, n, targets, *, config):
     """Score B independent contexts from scratch: ``tokens[B, T]`` (``n[b]`` valid) -> nll float32[B].
 
     Each row gets a fresh full cache of T slots, so its context sits at positions
     ``0..n[b]-1``; the NLL is that of ``targets[b]`` after the row's last context token.
-    ``shape = (n_layers, n_kv_heads, head_dim)``.
+    ``config``: the model's (hashable) config.
     """
     b, t = tokens.shape
-    n_layers, n_kv_heads, head_dim = shape
-    cache = KVCache.create(CacheSpec(max_len=t), batch=b, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
+    cache = new_cache(config, CacheSpec(max_len=t), b)
     logits, _ = forward(graphdef, state, tokens, n, cache, last_only=True)  # [B, 1, V]
     return _target_nll(logits, targets[:, None], jnp.minimum(n, 1))[:, 0]
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("shape", "kv_hook"))
-def _causal_batch(graphdef, state, tokens, *, shape, kv_hook):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("config", "kv_hook"))
+def _causal_batch(graphdef, state, tokens, *, config, kv_hook):
     """One causal pass over ``tokens[B, T]`` with a fresh full cache of T slots -> nll float32[B, T - 1]."""
     b, t = tokens.shape
-    n_layers, n_kv_heads, head_dim = shape
-    cache = KVCache.create(CacheSpec(max_len=t), batch=b, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
+    cache = new_cache(config, CacheSpec(max_len=t), b)
     logits, _ = forward(graphdef, state, tokens, jnp.full((b,), t, jnp.int32), cache, kv_hook=kv_hook)
     return _target_nll(logits[:, :-1], tokens[:, 1:], jnp.full((b,), t - 1, jnp.int32))
 
@@ -100,17 +100,8 @@ def _as_ids(model: LoadedModel, tokens: Sequence[int], what: str) -> np.ndarray:
         )
     if not np.issubdtype(ids.dtype, np.integer):
         raise JaxkvError(f"{what}: token ids must be integers, got dtype {ids.dtype}")
-    vocab = model.config.vocab_size
-    bad = (ids < 0) | (ids >= vocab)
-    if bad.any():
-        raise JaxkvError(f"{what}: token id {int(ids[bad][0])} is outside the vocabulary [0, {vocab})")
+    check_token_ids(ids, model.config.vocab_size, f"{what}: token id")
     return ids.astype(np.int32)
-
-
-def _check_count(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise JaxkvError(f"{name}={value!r}: expected an integer >= {minimum}")
-    return int(value)
 
 
 def _bar(progress: bool, total: int, desc: str):
@@ -154,16 +145,15 @@ def token_nll(
     language modelling on long texts exactly this way (per-token NLL while streaming).
     """
     ids = _as_ids(model, tokens, "token_nll")
-    chunk = _check_count("chunk", chunk, 1)
+    chunk = check_int("chunk", chunk, 1)
     n_in = len(ids) - 1  # the last token is only a target
     spec = cache if cache is not None else CacheSpec(max_len=len(ids))
     if spec.token_limit is not None and n_in > spec.token_limit:
         raise CacheFullError(
             f"token_nll: {len(ids)} tokens need {n_in} cache slots, but the full cache has max_len={spec.token_limit}"
         )
-    t = min(spec.max_chunk, chunk, 1 << max(n_in - 1, 1).bit_length())
-    c = model.config
-    kv = KVCache.create(spec, batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+    t = chunk_len(spec, n_in, chunk)
+    kv = new_cache(model.config, spec, 1)
     graphdef, state = nnx.split(model.model)
     out = np.empty(n_in, np.float64)
 
@@ -174,19 +164,14 @@ def token_nll(
             out[i : i + n] = np.asarray(nll[0, :n], np.float64)
             bar.update(n)
 
-        pending, i = None, 0
-        while i < n_in:
-            n = int(spec.policy.plan_chunk(np.array([i]), np.array([n_in - i]), t)[0])
-            if n < 1:  # plan_chunk always makes progress; guard against an infinite loop
-                raise AssertionError(f"plan_chunk planned 0 tokens at length {i} for {spec.describe()}")
-            buf = np.zeros((2, t), np.int32)
-            buf[0, :n] = ids[i : i + n]
-            buf[1, :n] = ids[i + 1 : i + 1 + n]
-            nll, kv = _nll_chunk(graphdef, state, jnp.asarray(buf[:1]), jnp.asarray(buf[1:]), jnp.asarray([n], jnp.int32), kv)
+        pending = None
+        for c in plan_chunks(spec, [0], [n_in], t):
+            tokens, targets = c.take([ids], t), c.take([ids], t, shift=1)
+            with count_compiles("nll"):
+                nll, kv = nll_chunk(graphdef, state, jnp.asarray(tokens), jnp.asarray(targets), jnp.asarray(c.n), kv)
             if pending is not None:  # read the previous chunk while this one runs
                 collect(pending)
-            pending = (i, n, nll)
-            i += n
+            pending = (int(c.offsets[0]), int(c.n[0]), nll)
         collect(pending)
     return out
 
@@ -254,9 +239,9 @@ def recompute_nll(
       a position outside ``[0, N - 2]`` (named).
     """
     ids = _as_ids(model, tokens, "recompute_nll")
-    window = _check_count("window", window, 1)
-    sink = _check_count("sink", sink, 0)
-    batch = _check_count("batch", batch, 1)
+    window = check_int("window", window, 1)
+    sink = check_int("sink", sink, 0)
+    batch = check_int("batch", batch, 1)
     index, length = recompute_contexts(len(ids), window, sink)
     if positions is None:
         sel = np.arange(len(length))
@@ -268,8 +253,6 @@ def recompute_nll(
                              f"(query positions of {len(ids)} tokens)")
     rows = len(sel)
     b = max(1, min(batch, rows))
-    c = model.config
-    shape = (c.n_layers, c.n_kv_heads, c.head_dim)
     graphdef, state = nnx.split(model.model)
     out = np.empty(rows, np.float64)
     with _bar(progress, rows, "recompute") as bar:
@@ -281,7 +264,7 @@ def recompute_nll(
             tok[: r1 - r0] = ids[index[sel[r0:r1]]]
             n[: r1 - r0] = length[sel[r0:r1]]
             tgt[: r1 - r0] = ids[sel[r0:r1] + 1]
-            nll = _recompute_batch(graphdef, state, jnp.asarray(tok), jnp.asarray(n), jnp.asarray(tgt), shape=shape)
+            nll = _recompute_batch(graphdef, state, jnp.asarray(tok), jnp.asarray(n), jnp.asarray(tgt), config=model.config)
             out[r0:r1] = np.asarray(nll, np.float64)[: r1 - r0]
             bar.update(r1 - r0)
     return out
@@ -312,10 +295,8 @@ def teacher_forced_nll(model: LoadedModel, rows, *, kv_hook=None) -> np.ndarray:
     if ids.ndim not in (1, 2):
         raise JaxkvError(f"teacher_forced_nll: expected token ids [B, T] or [T], got an array of shape {ids.shape}")
     batch = np.stack([_as_ids(model, r, "teacher_forced_nll") for r in np.atleast_2d(ids)])
-    c = model.config
     graphdef, state = nnx.split(model.model)
-    nll = _causal_batch(graphdef, state, jnp.asarray(batch), shape=(c.n_layers, c.n_kv_heads, c.head_dim),
-                        kv_hook=kv_hook)
+    nll = _causal_batch(graphdef, state, jnp.asarray(batch), config=model.config, kv_hook=kv_hook)
     out = np.asarray(nll, np.float64)
     return out if ids.ndim == 2 else out[0]
 
@@ -382,3 +363,18 @@ def perplexity_by_range(nll, edges: Sequence[int] | None = None) -> list[tuple[i
         if part.size:
             out.append((lo, hi, perplexity(part), int(part.size)))
     return out
+
+
+def write_nll(path, nll) -> None:
+    """Write per-token NLL (nats) to ``path``, atomically: NumPy ``.npy`` if the name ends in
+    ``.npy``, else one number per line (``%.9g``).
+
+    Raises:
+      OSError: the file cannot be written (nothing is left behind).
+    """
+    buf = io.BytesIO()
+    if str(path).endswith(".npy"):
+        np.save(buf, np.asarray(nll))
+    else:
+        np.savetxt(buf, np.asarray(nll), fmt="%.9g")
+    atomic_write(path, buf.getvalue(), private=False)

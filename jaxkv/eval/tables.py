@@ -35,7 +35,7 @@ from jaxkv.cache.memory import MemoryReport, memory_report
 from jaxkv.cache.spec import QUANT_MODES, CacheSpec
 from jaxkv.errors import JaxkvError
 from jaxkv.io import LoadedModel
-from jaxkv.sampling import generate
+from jaxkv.decode import generate
 
 SMOLLM2_SHAPE = dict(n_layers=30, n_kv_heads=3, head_dim=64)
 MEMORY_TOKENS = (128, 256, 512, 1024, 2048)

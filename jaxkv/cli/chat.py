@@ -1,0 +1,151 @@
+"""``jaxkv chat``: the interactive loop over a :class:`~jaxkv.decode.chat.ChatSession`, resumable from a file."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import sys
+
+from jaxkv.cache.spec import CacheSpec
+from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, cache_spec_from_args
+from jaxkv.decode import Sampler
+from jaxkv.decode.chat import ChatSession, default_cache_spec
+from jaxkv.errors import JaxkvError, check_int
+from jaxkv.io import load_model
+
+
+def add_parser(sub) -> None:
+    c = sub.add_parser("chat", help="chat with a model over one bounded cache (multi-turn, resumable)")
+    add_model_flags(c)
+    c.add_argument("--tokens", type=int, default=256, metavar="N", help="tokens per reply at most (default 256)")
+    add_sampler_flags(c, temperature=None, temperature_help="0 = greedy (default; resumed: the saved sampler)",
+                      seed=None, seed_help="PRNG seed (default 0; resumed: the saved one)")
+    c.add_argument("--system", default=None, metavar="TEXT", help="system message of a new conversation")
+    c.add_argument("--cache-file", default=None, metavar="PATH", help="resume from PATH if it exists; save there after every turn")
+    add_tokenizer_flag(c)
+    c.add_argument("--chat-template", default=None, metavar="JINJA|FILE", help="chat template (text or a file) overriding the model's")
+    add_cache_flags(c)
+    c.set_defaults(func=run, streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize=None,
+                   kv_group_size=None, kv_residual=None, positions=None)  # None = not given (chat picks defaults)
+
+
+CHAT_HELP = (
+    "commands: /reset (forget the conversation), /stats (tokens seen, tokens stored, cache bytes), "
+    "/help, /quit; end of input (Ctrl-D) quits; start a message with // to send one beginning with /"
+)
+
+
+def chat_loop(session: ChatSession, *, cache_file: str | None = None, stdin=None, stdout=None, stderr=None,
+              interactive: bool | None = None) -> None:
+    """The interactive loop of ``jaxkv chat``: read a message, stream the reply, save the session.
+
+    On a terminal it prompts with ``> `` (line editing through ``readline`` when available)
+    and a failed turn (a full cache, Ctrl-C during a reply) is reported and discarded; otherwise
+    it reads one message per line and a failed turn raises. Returns at end of input or ``/quit``.
+    With ``cache_file`` the session is saved after every turn and every ``/reset``.
+    """
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    if interactive is None:
+        interactive = stdin.isatty()
+    if interactive:
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401  (line editing for input())
+        print(f"[jaxkv chat: {session.model.config.name}; cache {session.spec.describe()}; {CHAT_HELP}]",
+              file=stderr, flush=True)
+
+    def write(piece: str) -> None:
+        stdout.write(piece)
+        stdout.flush()
+
+    while True:
+        try:
+            line = input("> ") if interactive and stdin is sys.stdin else stdin.readline()
+        except EOFError:
+            line = ""
+        if line == "":  # end of input
+            if interactive:
+                write("\n")
+            return
+        message = line.rstrip("\r\n")
+        if not message.strip():
+            continue
+        if message.startswith("/") and not message.startswith("//"):
+            command = message.split()[0].lower()
+            if command in ("/quit", "/exit"):
+                return
+            if command == "/reset":
+                session.reset()
+                if cache_file:
+                    session.save(cache_file)
+                write("[conversation reset]\n")
+            elif command == "/stats":
+                write(f"[{session.stats().summary()}]\n")
+            elif command == "/help":
+                write(f"[{CHAT_HELP}]\n")
+            else:
+                print(f"jaxkv: unknown command {command}; {CHAT_HELP}", file=stderr, flush=True)
+            continue
+        if message.startswith("//"):
+            message = message[1:]
+        try:
+            session.send(message, on_text=write)
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            print("\n[interrupted: the turn was discarded]", file=stderr, flush=True)
+            continue
+        except JaxkvError as e:
+            if not interactive:
+                raise
+            print(f"\njaxkv: error: {e}", file=stderr, flush=True)
+            continue
+        write("\n")
+        if session.finish_reason == "cache_full":
+            print("[the full cache is used up: /reset, or chat with a StreamingLLM cache (--streaming-llm-window M)]",
+                  file=stderr, flush=True)
+        if cache_file:
+            session.save(cache_file)
+
+
+def run(args) -> None:
+    """``jaxkv chat``: build (or resume) a :class:`ChatSession` from parsed flags and run :func:`chat_loop`.
+
+    Cache flags left out mean :func:`default_cache_spec` for a new session and the file's
+    spec for a resumed one; given, they must match the file's. Sampler flags and ``--seed``
+    left out mean greedy / seed 0 for a new session and the saved ones for a resumed one.
+    """
+    check_int("--tokens", args.tokens, 1)
+    sampler = None
+    if any(v is not None for v in (args.temperature, args.top_k, args.top_p)):
+        sampler = Sampler(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p)
+    flags = dict(streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize="fp32",
+                 kv_group_size=CacheSpec.group_size, kv_residual=CacheSpec.residual, positions="cache")
+    given = {k for k in flags if getattr(args, k) is not None}
+    ns = copy.copy(args)
+    for k, default in flags.items():
+        if getattr(ns, k) is None:
+            setattr(ns, k, default)
+    if given and ns.streaming_llm_window is None and ns.max_len is None and ns.streaming_llm_sink is None:
+        spec = "default"  # only storage/positions flags: the default window with them
+    elif given:
+        spec = cache_spec_from_args(ns)
+    else:
+        spec = None
+    template = args.chat_template
+    if template is not None and os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            template = f.read()
+    model = load_model(args.model, tokenizer=args.tokenizer)
+    if spec == "default":
+        spec = default_cache_spec(model.config, kv_quantize=ns.kv_quantize, group_size=ns.kv_group_size,
+                                  residual=ns.kv_residual, positions=ns.positions)
+    path = args.cache_file
+    if path and os.path.exists(path):
+        session = ChatSession.load(path, model, cache=spec, sampler=sampler, seed=args.seed,
+                                   max_new_tokens=args.tokens, chat_template=template)
+        print(f"[resumed {path}: {session.stats().summary()}]", file=sys.stderr, flush=True)
+    else:
+        session = ChatSession(model, spec, sampler=sampler or Sampler(), seed=args.seed or 0,
+                              max_new_tokens=args.tokens, system=args.system, chat_template=template)
+    chat_loop(session, cache_file=path)

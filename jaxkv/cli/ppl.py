@@ -1,0 +1,79 @@
+"""``jaxkv ppl``: teacher-forced perplexity of a text file through the KV cache (or the recompute oracle)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_tokenizer_flag, cache_spec_from_args
+from jaxkv.errors import JaxkvError, check_int
+from jaxkv.eval.perplexity import perplexity, perplexity_by_range, recompute_nll, token_nll, write_nll
+from jaxkv.io import load_model
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("ppl", help="teacher-forced perplexity of a text through the KV cache")
+    add_model_flags(p)
+    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text, scored as one stream (BOS first if the tokenizer adds one)")
+    p.add_argument("--tokens", type=int, default=None, metavar="N", help="score only the first N tokens (default: the whole file)")
+    add_tokenizer_flag(p)
+    p.add_argument("--nll-out", default=None, metavar="FILE", help="write per-token NLL in nats: one per line, or NumPy if FILE ends in .npy")
+    p.add_argument("--recompute-window", type=int, default=None, metavar="W",
+                   help="instead of the cache, the StreamingLLM paper's oracle: re-encode the last W tokens for every token (O(N*W))")
+    p.add_argument("--chunk", type=int, default=128, metavar="T", help="tokens per compiled call (speed only; default 128)")
+    add_cache_flags(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> None:
+    if args.tokens is not None and args.tokens < 2:
+        raise JaxkvError(f"--tokens {args.tokens}: expected an integer >= 2 (one token to condition on, one to score)")
+    check_int("--chunk", args.chunk, 1)
+    recompute = args.recompute_window is not None
+    if recompute:
+        check_int("--recompute-window", args.recompute_window, 1)
+        if args.streaming_llm_window is not None or args.kv_quantize != "fp32" or args.positions != "absolute" or args.max_len is not None:
+            raise JaxkvError("--recompute-window re-encodes every window from scratch: of the cache flags it takes only --streaming-llm-sink")
+        if args.streaming_llm_sink is not None:
+            check_int("--streaming-llm-sink", args.streaming_llm_sink, 0)
+    else:
+        cache_spec_from_args(args, 2)  # validate the cache flags before loading the model
+    if not os.path.isfile(args.text):
+        raise JaxkvError(f"--text {args.text}: no such file")
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise JaxkvError(f"--text {args.text}: cannot read it as UTF-8 text ({e})") from None
+    if not text.strip():
+        raise JaxkvError(f"--text {args.text}: the file is empty (no text to score)")
+
+    model = load_model(args.model, tokenizer=args.tokenizer)
+    ids = model.tokenizer.encode(text)  # one stream, BOS first if the tokenizer adds one
+    if args.tokens is not None:
+        ids = ids[: args.tokens]
+    if len(ids) < 2:
+        raise JaxkvError(f"--text {args.text}: {len(ids)} token(s); perplexity needs at least 2")
+    t0 = time.perf_counter()
+    if recompute:
+        sink = args.streaming_llm_sink or 0
+        what = f"sliding window with recomputation, window {args.recompute_window}" + (f" after {sink} sinks" if sink else "")
+        nll = recompute_nll(model, ids, window=args.recompute_window, sink=sink, progress=True)
+    else:
+        spec = cache_spec_from_args(args, len(ids))
+        what = f"cache {spec.describe()}"
+        nll = token_nll(model, ids, cache=spec, chunk=args.chunk, progress=True)
+    seconds = time.perf_counter() - t0
+    print(f"{os.path.basename(model.path or 'model')} on {os.path.basename(args.text)}: {len(ids)} tokens, {len(nll)} scored; {what}")
+    print(f"perplexity {perplexity(nll):.4f}  (mean NLL {float(np.mean(nll)):.4f} nats/token; "
+          f"{seconds:.1f} s, {len(nll) / max(seconds, 1e-9):.0f} tokens/s, compile included)")
+    for lo, hi, ppl, count in perplexity_by_range(nll):
+        print(f"  positions [{lo}, {hi}): perplexity {ppl:.4f}  ({count} tokens)")
+    if args.nll_out:
+        try:
+            write_nll(args.nll_out, nll)
+        except OSError as e:
+            raise JaxkvError(f"--nll-out {args.nll_out}: cannot write it ({e})") from None
+        print(f"per-token NLL (nats) written to {args.nll_out}")

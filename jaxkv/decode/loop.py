@@ -1,0 +1,439 @@
+"""The one compiled decode loop, chunked prefill, and the plumbing every caller shares.
+
+Decoding runs as one compiled ``lax.while_loop`` per block of tokens with the cache
+donated (updated in place); the host only sees each finished block, to print it.
+Prefill streams the prompt through the cache in chunks whose every query attends to its
+own retained set (DESIGN §2), so a prompt longer than a StreamingLLM cache is fine.
+
+Public pieces, used by :func:`jaxkv.generate`, chat, batch decoding and perplexity alike:
+
+* :func:`new_cache`: an empty cache shaped for a model (optionally born sharded on a mesh);
+* :func:`plan_chunks`: the planned-chunk iterator (``ring.plan_chunk``, padded to one static
+  length T) that prefill and :func:`jaxkv.eval.token_nll` both stream with;
+* :func:`prefill`, :func:`decode`, and :func:`prefill_and_decode` (the two, timed);
+* :func:`lower_decode` / :func:`compile_decode`: the decode loop lowered or compiled for a cache,
+  for audits and tests; :func:`compile_counts` counts real (backend) compilations per program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jaxkv.cache.kv import KVCache
+from jaxkv.cache.spec import CacheSpec
+from jaxkv.decode.sampler import Sampler, prng_keys
+from jaxkv.errors import CacheFullError
+from jaxkv.io import LoadedModel
+from jaxkv.models.step import forward
+
+FINISH_REASONS = ("running", "eos", "length", "cache_full")
+_RUNNING, _EOS, _LENGTH, _CACHE_FULL = range(4)
+
+
+# ---- the cache a model needs ---------------------------------------------------------------------
+def new_cache(config, spec: CacheSpec, batch: int, *, mesh=None) -> KVCache:
+    """An empty cache of ``batch`` rows for a model's ``config`` (layers L, KV heads K, head dim H).
+
+    Args:
+      config: the model's config (a :class:`~jaxkv.LlamaConfig`: ``n_layers``, ``n_kv_heads``, ``head_dim``).
+      spec: the cache spec. batch: B rows.
+      mesh: a :func:`jaxkv.decode.parallel.make_mesh` mesh: the cache is born sharded on it (None = one device).
+    Raises:
+      JaxkvError: a spec the shapes do not fit, or B / K that do not split over the mesh.
+    """
+    sizes = dict(batch=batch, n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim)
+    if mesh is not None:
+        from jaxkv.decode import parallel
+
+        return parallel.create_cache(spec, mesh, **sizes)
+    return KVCache.create(spec, **sizes)
+
+
+def full_cache_len(n_tokens: int, step: int = 256) -> int:
+    """Slots of a default full cache for ``n_tokens``: rounded up to a multiple of ``step`` so
+    that prompts of similar length share one compiled decode step."""
+    return step * -(-n_tokens // step)
+
+
+def to_host(x) -> np.ndarray:
+    """``x`` as a NumPy array on this host. A global array that spans other processes' devices
+    (several hosts after ``jax.distributed.initialize()``) is all-gathered first."""
+    if getattr(x, "is_fully_addressable", True) or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+# ---- counting real compilations ------------------------------------------------------------------
+_COMPILES: Counter = Counter()
+_PROGRAM = threading.local()
+
+
+def _on_event(event: str, *args, **kwargs) -> None:
+    program = getattr(_PROGRAM, "name", None)
+    if program is not None and event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[program] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+@contextlib.contextmanager
+def count_compiles(program: str):
+    """Inside this context, every XLA backend compilation counts as one of ``program`` (see :func:`compile_counts`)."""
+    outer = getattr(_PROGRAM, "name", None)
+    _PROGRAM.name = program
+    try:
+        yield
+    finally:
+        _PROGRAM.name = outer
+
+
+def compile_counts() -> dict[str, int]:
+    """Backend compilations so far in this process, per program: ``decode`` (the decode loop),
+    ``prefill`` (a prefill chunk), ``nll`` (a scoring chunk of :func:`jaxkv.eval.token_nll`).
+
+    Counted from JAX's own compile events, so a program that re-traces and re-compiles (a
+    shape or a static argument that changes per call) shows here however it is invoked.
+    """
+    return {name: _COMPILES[name] for name in ("decode", "prefill", "nll")}
+
+
+# ---- planned chunks ------------------------------------------------------------------------------
+def chunk_len(spec: CacheSpec, longest: int, chunk: int) -> int:
+    """Static chunk length T: a power of two >= 2 covering ``longest`` tokens, capped at ``chunk``
+    and the spec's ``max_chunk``, so that few shapes (and compiles) occur."""
+    return min(spec.max_chunk, chunk, 1 << max(longest - 1, 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One planned chunk of B rows.
+
+    Attributes:
+      offsets: int64[B], where each row's part of this chunk starts in its sequence.
+      n: int32[B], tokens of each row in this chunk (0 = the row appends nothing).
+      remaining: int64[B], tokens each row had left before this chunk.
+    """
+
+    offsets: np.ndarray
+    n: np.ndarray
+    remaining: np.ndarray
+
+    def take(self, rows: Sequence[Sequence[int]], t: int, shift: int = 0) -> np.ndarray:
+        """int32[B, T]: ``rows[b][offsets[b] + shift :][: n[b]]``, zero-padded to T."""
+        out = np.zeros((len(rows), t), np.int32)
+        for b, row in enumerate(rows):
+            start = self.offsets[b] + shift
+            out[b, : self.n[b]] = row[start : start + self.n[b]]
+        return out
+
+
+def plan_chunks(spec: CacheSpec, lengths, counts, t: int) -> Iterator[Chunk]:
+    """Chunks that append ``counts[b]`` tokens to each row of a cache holding ``lengths[b]``.
+
+    Each chunk is planned by :func:`jaxkv.cache.ring.plan_chunk` (never crossing the sink
+    boundary nor a KIVI flush), so every query of a chunk attends to exactly its retained set.
+
+    Args:
+      spec: the cache spec. lengths: int[B] tokens already appended. counts: int[B] to append.
+      t: the static chunk length T (:func:`chunk_len`).
+    Yields:
+      :class:`Chunk` s until every row has appended its tokens.
+    """
+    lengths = np.array(lengths, np.int64)
+    remaining = np.array(counts, np.int64)
+    offsets = np.zeros_like(remaining)
+    while np.any(remaining > 0):
+        n = np.asarray(spec.policy.plan_chunk(lengths, remaining, t), np.int32)
+        if not np.any(n > 0):  # plan_chunk always makes progress; guard against an infinite loop
+            raise AssertionError(f"plan_chunk planned 0 tokens at lengths {lengths} for {spec.describe()}")
+        yield Chunk(offsets=offsets.copy(), n=n, remaining=remaining.copy())
+        lengths += n
+        offsets += n
+        remaining -= n
+
+
+# ---- prefill -------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnames=("cache",))
+def prefill_chunk(graphdef, state, tokens, n, cache):
+    """Append ``tokens: int32[B, T]`` (``n: int32[B]`` valid per row) to a donated cache.
+
+    Returns ``(logits float32[B, 1, V] after each row's last appended token, cache)``.
+    """
+    return forward(graphdef, state, tokens, n, cache, last_only=True)
+
+
+def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]], *, chunk: int = 128):
+    """Stream each row's prompt into the cache, in chunks.
+
+    Args:
+      model: a :class:`LoadedModel`.
+      cache: an empty (or partly filled) cache with ``B = len(prompts)`` rows (consumed).
+      prompts: B lists of token ids (ragged), each non-empty.
+      chunk: tokens per compiled call (capped at the spec's ``max_chunk``; bucketed to a
+        power of two so few shapes are compiled).
+    Returns:
+      ``(cache, logits float32[B, V])``: the logits after each row's last prompt token.
+    Raises:
+      CacheFullError: a prompt longer than a full cache's ``max_len``.
+    """
+    spec = cache.spec
+    lengths = to_host(cache.length).astype(np.int64)
+    counts = np.array([len(p) for p in prompts], np.int64)
+    if spec.token_limit is not None and np.any(lengths + counts > spec.token_limit):
+        worst = int(np.max(lengths + counts))
+        raise CacheFullError(f"prompt of {worst} tokens does not fit a full cache of max_len={spec.token_limit}")
+    t = chunk_len(spec, int(np.max(counts)), chunk)
+    graphdef, state = nnx.split(model.model)
+    last = None
+    for c in plan_chunks(spec, lengths, counts, t):
+        with count_compiles("prefill"):
+            logits, cache = prefill_chunk(graphdef, state, jnp.asarray(c.take(prompts, t)), jnp.asarray(c.n), cache)
+        finished = jnp.asarray((c.n > 0) & (c.remaining == c.n))
+        last = logits[:, 0] if last is None else jnp.where(finished[:, None], logits[:, 0], last)
+    return cache, last
+
+
+def warm_prefill(model: LoadedModel, cache: KVCache, n_prompt: int, chunk: int = 128) -> float:
+    """Compile the prefill call for prompts of up to ``n_prompt`` tokens (a chunk appending
+    nothing, on a copy of ``cache``, which is not consumed); returns the seconds it took."""
+    t0 = time.perf_counter()
+    t = chunk_len(cache.spec, n_prompt, chunk)
+    graphdef, state = nnx.split(model.model)
+    tokens = jnp.zeros((cache.batch, t), jnp.int32)
+    n = jnp.zeros((cache.batch,), jnp.int32)
+    copy = jax.tree.map(jnp.copy, cache)
+    with count_compiles("prefill"):
+        logits, _ = prefill_chunk(graphdef, state, tokens, n, copy)
+    logits.block_until_ready()
+    return time.perf_counter() - t0
+
+
+# ---- the decode loop -----------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoopState:
+    """What the decode loop carries between steps and blocks (a pytree).
+
+    Attributes:
+      logits: float32[B, V], the logits of the next token to sample.
+      done: bool[B]. reason: int32[B], index into :data:`FINISH_REASONS`.
+      generated: int32[B], tokens sampled so far. step: int32[], global sampling step (PRNG stream position).
+    """
+
+    logits: jax.Array
+    done: jax.Array
+    reason: jax.Array
+    generated: jax.Array
+    step: jax.Array
+
+    @classmethod
+    def start(cls, logits, step: int = 0) -> "LoopState":
+        """The state before the first sampled token, from ``logits: float32[B, V]``."""
+        batch = logits.shape[0]
+        return cls(logits=logits, done=jnp.zeros((batch,), bool), reason=jnp.zeros((batch,), jnp.int32),
+                   generated=jnp.zeros((batch,), jnp.int32), step=jnp.int32(step))
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("sampler", "block", "eos_id"), donate_argnames=("cache",))
+def decode_block(graphdef, state, cache, loop, max_new, rng, *, sampler, block, eos_id):
+    """Sample up to ``block`` tokens per row in one ``lax.while_loop``; returns (cache, loop, tokens int32[B, block]).
+
+    ``max_new: int32[B]`` token budgets; ``rng``: a PRNG key or one per row ``[B, 2]``; the
+    cache is donated. Use :func:`lower_decode` / :func:`compile_decode` rather than calling it.
+    """
+    batch = loop.done.shape[0]
+    limit = cache.spec.token_limit
+
+    def cond(carry):
+        i, _, loop, _ = carry
+        return (i < block) & ~jnp.all(loop.done)
+
+    def body(carry):
+        i, cache, loop, out = carry
+        fold = jax.random.fold_in if rng.ndim == 1 else jax.vmap(jax.random.fold_in, in_axes=(0, None))
+        token = sampler.get_next_tokens(loop.logits, fold(rng, loop.step))
+        active = ~loop.done
+        out = lax.dynamic_update_slice(out, jnp.where(active, token, -1)[:, None], (jnp.int32(0), i))
+        generated = loop.generated + active
+        reason = jnp.where(active & (generated >= max_new), _LENGTH, loop.reason)
+        if eos_id is not None:
+            reason = jnp.where(active & (token == eos_id), _EOS, reason)
+        if limit is not None:  # a full cache: the token cannot be fed back
+            reason = jnp.where(active & (reason == _RUNNING) & (cache.length >= limit), _CACHE_FULL, reason)
+        done = reason != _RUNNING
+        feed = (~done).astype(jnp.int32)
+
+        def run(cache):
+            logits, cache = forward(graphdef, state, token[:, None], feed, cache)
+            return logits[:, 0], cache
+
+        logits, cache = lax.cond(jnp.any(~done), run, lambda c: (loop.logits, c), cache)
+        loop = LoopState(logits=logits, done=done, reason=reason, generated=generated, step=loop.step + 1)
+        return i + 1, cache, loop, out
+
+    out = jnp.full((batch, block), -1, jnp.int32)
+    _, cache, loop, out = lax.while_loop(cond, body, (jnp.int32(0), cache, loop, out))
+    return cache, loop, out
+
+
+def _decode_args(model, cache: KVCache, logits, max_new_tokens, seed, step):
+    """The traced arguments of :func:`decode_block` after the graphdef."""
+    graphdef, state = nnx.split(model.model if isinstance(model, LoadedModel) else model)
+    if logits is None:
+        logits = jnp.zeros((cache.batch, model.config.vocab_size), jnp.float32)
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * cache.batch
+    loop = LoopState.start(logits, step)
+    return graphdef, (state, cache, loop, jnp.asarray(max_new_tokens, jnp.int32), prng_keys(seed, cache.batch))
+
+
+def lower_decode(model, cache: KVCache, logits=None, *, sampler: Sampler = Sampler(), block: int = 32,
+                 eos_id: int | None = None, max_new_tokens: int | Sequence[int] = 1, seed=0, step: int = 0):
+    """The decode loop lowered for ``cache``'s spec and shapes: a ``jax.stages.Lowered``.
+
+    ``.as_text()`` is its StableHLO (what :mod:`jaxkv.eval.audit` scans), ``.compile()``
+    compiles it (``.compile().as_text()``: the optimised HLO). Nothing is run and the cache is
+    not consumed.
+
+    Args:
+      model: a :class:`LoadedModel` or a Flax NNX model with a ``config`` (the tiny test models).
+      cache: a cache of B rows (its values do not matter). logits: float32[B, V] (None = zeros).
+      sampler, block, eos_id: the loop's static settings; max_new_tokens, seed, step: as in :func:`decode`.
+    """
+    graphdef, args = _decode_args(model, cache, logits, max_new_tokens, seed, step)
+    return decode_block.lower(graphdef, *args, sampler=sampler, block=block, eos_id=eos_id)
+
+
+def compile_decode(model, cache: KVCache, logits=None, *, sampler: Sampler = Sampler(), block: int = 32,
+                   eos_id: int | None = None, max_new_tokens: int | Sequence[int] = 1, seed=0, step: int = 0):
+    """``(compiled, seconds)``: the decode loop compiled for these arguments' shapes, dtypes and
+    shardings and the static ``sampler``, ``block`` and ``eos_id`` (see :func:`lower_decode`).
+
+    JAX keeps the executable: a second call with the same signature traces and lowers again
+    but does not compile (:func:`compile_counts` shows it), so ``seconds`` is then small.
+    ``compiled(state, cache, loop, max_new, rng)`` runs one block.
+    """
+    graphdef, args = _decode_args(model, cache, logits, max_new_tokens, seed, step)
+    return _compile(graphdef, args, sampler, block, eos_id)
+
+
+def _compile(graphdef, args, sampler, block, eos_id):
+    t0 = time.perf_counter()
+    with count_compiles("decode"):
+        compiled = decode_block.lower(graphdef, *args, sampler=sampler, block=block, eos_id=eos_id).compile()
+    return compiled, time.perf_counter() - t0
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchGeneration:
+    """What :func:`generate` returns, one entry per row.
+
+    Attributes:
+      token_ids: B lists of generated ids (a stopping EOS included).
+      finish_reasons: B of ``eos``, ``length``, ``cache_full``.
+      cache: the final :class:`KVCache` (B rows).
+      prefill_s, decode_s, compile_s: wall seconds of prefill, decode (compile excluded) and compiling.
+      logits: float32[B, V], the logits the first generated token of each row was drawn from
+        (None from :func:`decode`, which did not compute them).
+    """
+
+    token_ids: list
+    finish_reasons: list
+    cache: KVCache
+    prefill_s: float
+    decode_s: float
+    compile_s: float
+    logits: jax.Array | None = None
+
+
+def decode(
+    model: LoadedModel,
+    cache: KVCache,
+    logits,
+    *,
+    max_new_tokens: Sequence[int],
+    sampler: Sampler = Sampler(),
+    seed: int | Sequence[int] = 0,
+    step: int = 0,
+    block: int = 32,
+    eos_id: int | None = None,
+    on_block: Callable[[np.ndarray], None] | None = None,
+) -> BatchGeneration:
+    """Sample from a prefilled cache until every row stops (EOS, its token budget, or a full cache).
+
+    Args:
+      model: a :class:`LoadedModel`. cache: the prefilled :class:`KVCache` (B rows; consumed).
+      logits: float32[B, V], the logits after each row's last appended token (from :func:`prefill`).
+      max_new_tokens: B token budgets (>= 1).
+      sampler, seed: the next-token rule and PRNG seed (or B seeds, one per row); ``step`` is the position in the PRNG
+        stream (continue a conversation with the previous call's ``step + tokens sampled``).
+      block: decode steps per compiled call. eos_id: stop token (None = never stop on a token).
+      on_block: called with each block's tokens, int32[B, block] (-1 = no token).
+    Returns:
+      a :class:`BatchGeneration` (``prefill_s`` 0). The last sampled token of each row is
+      *not* in the cache: feed it first when continuing.
+    """
+    graphdef, args = _decode_args(model, cache, logits, max_new_tokens, seed, step)
+    compiled, compile_s = _compile(graphdef, args, sampler, block, eos_id)
+    state, cache, loop, max_new, rng = args
+    ids: list[list[int]] = [[] for _ in range(cache.batch)]
+    decode_s = 0.0
+    while True:
+        t1 = time.perf_counter()
+        cache, loop, out = compiled(state, cache, loop, max_new, rng)
+        out = to_host(out)
+        decode_s += time.perf_counter() - t1
+        for row, toks in zip(ids, out):
+            row.extend(int(i) for i in toks if i >= 0)
+        if on_block is not None:
+            on_block(out)
+        if bool(np.all(to_host(loop.done))):
+            break
+    reasons = [FINISH_REASONS[int(r)] for r in to_host(loop.reason)]
+    return BatchGeneration(
+        token_ids=ids, finish_reasons=reasons, cache=cache, prefill_s=0.0, decode_s=decode_s, compile_s=compile_s
+    )
+
+
+def prefill_and_decode(
+    model: LoadedModel,
+    cache: KVCache,
+    prompts: Sequence[Sequence[int]],
+    *,
+    warm: bool = False,
+    **kwargs,
+) -> BatchGeneration:
+    """:func:`prefill` the prompts into ``cache`` (timed), then :func:`decode` (``kwargs``).
+
+    Args:
+      cache: B rows, empty or holding earlier turns (consumed).
+      prompts: B non-empty lists of token ids, appended after what each row holds.
+      warm: compile the prefill first (:func:`warm_prefill`), so that ``prefill_s`` excludes
+        compiling and ``compile_s`` includes it.
+    Returns:
+      a :class:`BatchGeneration` with ``prefill_s`` and ``logits`` set.
+    Raises:
+      CacheFullError: a prompt that does not fit a full cache.
+    """
+    compile_s = warm_prefill(model, cache, max(len(p) for p in prompts)) if warm else 0.0
+    t0 = time.perf_counter()
+    cache, logits = prefill(model, cache, prompts)
+    logits.block_until_ready()
+    prefill_s = time.perf_counter() - t0
+    result = decode(model, cache, logits, **kwargs)
+    return dataclasses.replace(result, prefill_s=prefill_s, compile_s=result.compile_s + compile_s, logits=logits)

@@ -1,0 +1,45 @@
+"""Prompts in and replies out: chat-template wrapping, empty prompt -> BOS, token-id checks, reply text."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxkv.errors import JaxkvError
+
+
+def encode_prompt(tokenizer, prompt: str, *, chat: bool = False) -> list[int]:
+    """Token ids of a text prompt, as :func:`jaxkv.sample` and ``jaxkv batch`` feed it.
+
+    Args:
+      tokenizer: the model's :class:`~jaxkv.io.tokenizer.Tokenizer`.
+      prompt: the text. chat: wrap it in the tokenizer's chat template as one user message
+        (the template writes any BOS itself: none is added).
+    Returns:
+      the ids: the tokenizer's BOS first if it adds one; an empty prompt is BOS alone.
+    Raises:
+      JaxkvError: an empty prompt and a tokenizer without BOS; no chat template (with ``chat``).
+    """
+    if chat:
+        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]), add_bos=False)
+    else:
+        ids = tokenizer.encode(prompt)
+    if not ids:
+        if tokenizer.bos_id is None:
+            raise JaxkvError("empty prompt and the tokenizer has no BOS token to start from")
+        ids = [tokenizer.bos_id]
+    return ids
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "token id") -> None:
+    """Raise :class:`JaxkvError` naming the first id outside ``[0, vocab_size)`` (``what`` starts the message)."""
+    a = np.asarray(ids, np.int64).reshape(-1)
+    bad = (a < 0) | (a >= vocab_size)
+    if bad.any():
+        raise JaxkvError(f"{what} {int(a[bad][0])} is outside the vocabulary [0, {vocab_size})")
+
+
+def reply_text(tokenizer, ids: Sequence[int], finish_reason: str) -> str:
+    """The text of generated ``ids``; a stopping EOS (``finish_reason == "eos"``) is not part of it."""
+    return tokenizer.decode(list(ids[:-1]) if finish_reason == "eos" else list(ids))

@@ -1,0 +1,72 @@
+"""Samplers: the next-token rule of the compiled decode loop, and the PRNG keys it draws from."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxkv.errors import JaxkvError, check_int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampler:
+    """Next-token rule: greedy (temperature 0) or temperature with optional top-k / top-p.
+
+    Attributes:
+      temperature: >= 0; 0 means greedy argmax.
+      top_k: keep the k most likely tokens (None = all); >= 1.
+      top_p: nucleus sampling, keep the smallest set whose probability reaches p; in (0, 1].
+    Raises:
+      JaxkvError: on values outside those ranges.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise JaxkvError(f"temperature={t!r}: expected a finite number >= 0 (0 = greedy)")
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, 1)
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise JaxkvError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
+
+    def get_next_tokens(self, logits, rng):
+        """int32[B] next tokens from float32 logits ``[B, V]`` and a PRNG key (or one key per row, ``[B, 2]``)."""
+        if self.temperature == 0:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logits = logits.astype(jnp.float32) / self.temperature
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = lax.top_k(logits, self.top_k)[0][:, -1:]
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
+        if self.top_p is not None and self.top_p < 1:
+            sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+            probs = jax.nn.softmax(sorted_logits, axis=-1)
+            before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+            kept = jnp.where(before < self.top_p, sorted_logits, jnp.inf)
+            threshold = jnp.min(kept, axis=-1, keepdims=True)
+            logits = jnp.where(logits < threshold, -jnp.inf, logits)
+        keys = rng if rng.ndim == 2 else jax.random.split(rng, logits.shape[0])
+        return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+def prng_keys(seed, batch: int):
+    """One PRNG key for an int seed (rows draw from its split), or one key per row ``[B, 2]``
+    for B seeds (each row's draws then depend only on its own seed, not on its batch).
+
+    Raises:
+      JaxkvError: a seed list whose length is not ``batch``, or seeds that are not integers.
+    """
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+        return jax.random.PRNGKey(seed)
+    seeds = list(seed)
+    if len(seeds) != batch or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in seeds):
+        raise JaxkvError(f"seed: expected an integer or {batch} integers (one per row), got {seed!r}")
+    return jnp.stack([jax.random.PRNGKey(int(s)) for s in seeds])
