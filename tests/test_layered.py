@@ -12,50 +12,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from jaxkv import CacheSpec, JaxkvError, KVCache, LayerSpecs, forward, generate, memory_report
+from jaxkv import CacheSpec, JaxkvError, KVCache, LayerSpecs, generate, memory_report
 from jaxkv.cache.layered import LayeredCache
-from jaxkv.testing import tiny_loaded, tiny_model
+from jaxkv.testing import tiny_loaded
 
-STEP = jax.jit(forward, static_argnums=0, donate_argnames="cache")
 WINDOW = CacheSpec(sink=2, window=6)
 KIVI = CacheSpec(sink=2, window=8, kv_quantize="int4", group_size=2, residual=4, positions="cache")
 FULL = CacheSpec(max_len=64)
-
-
-def run(spec, tokens, chunk=1):
-    """Logits float32[T, V] of ``tokens`` streamed in chunks planned by the cache, and the cache."""
-    model = tiny_model()
-    c = model.config
-    gd, st = nnx.split(model)
-    cache = KVCache.create(spec, batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
-    rows, i = [], 0
-    while i < len(tokens):
-        n = int(spec.policy.plan_chunk(np.asarray(cache.length), np.asarray([len(tokens) - i]), chunk)[0])
-        buf = np.zeros((1, chunk), np.int32)
-        buf[0, :n] = tokens[i : i + n]
-        logits, cache = STEP(gd, st, jnp.asarray(buf), jnp.asarray([n], jnp.int32), cache)
-        rows.append(np.asarray(logits[0, :n]))
-        i += n
-    return np.concatenate(rows), cache
-
-
 TOKENS = list(np.random.default_rng(0).integers(0, 64, 40))
 
 
 @pytest.mark.parametrize("spec", [WINDOW, KIVI])
-def test_equal_specs_reproduce_a_uniform_cache(spec):
-    uniform, _ = run(spec, TOKENS)
-    layered, cache = run(LayerSpecs((spec, spec)), TOKENS)
+def test_equal_specs_reproduce_a_uniform_cache(chunked, spec):
+    uniform, _ = chunked(spec, TOKENS, 1)
+    layered, cache = chunked(LayerSpecs((spec, spec)), TOKENS, 1)
     assert isinstance(cache, LayeredCache) and len(cache.groups) == 1
     np.testing.assert_array_equal(layered, uniform)
 
 
 @pytest.mark.parametrize("first,second", [(WINDOW, FULL), (FULL, WINDOW), (KIVI, WINDOW)])
-def test_each_run_keeps_its_own_spec(first, second):
-    _, uniform = run(first, TOKENS)
-    logits, cache = run(LayerSpecs((first, second)), TOKENS)
+def test_each_run_keeps_its_own_spec(chunked, first, second):
+    _, uniform = chunked(first, TOKENS, 1)
+    logits, cache = chunked(LayerSpecs((first, second)), TOKENS, 1)
     assert [g.spec for g in cache.groups] == [first, second]
     # layer 0 sees the same inputs as under a uniform `first` cache: identical leaves
     for a, b in zip(jax.tree.leaves(cache.groups[0]), jax.tree.leaves(uniform)):
@@ -65,22 +44,22 @@ def test_each_run_keeps_its_own_spec(first, second):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # each run stores what a uniform cache of its spec stores
     stored = [int(g.stored()[0]) for g in cache.groups]
-    expected = [int(run(s, TOKENS)[1].stored()[0]) for s in (first, second)]
+    expected = [int(chunked(s, TOKENS, 1)[1].stored()[0]) for s in (first, second)]
     assert stored == expected and expected[0] != expected[1]
     assert int(cache.stored()[0]) == max(expected)
     # different from both uniform runs once the window has evicted tokens
-    assert not np.allclose(logits, run(second, TOKENS)[0])
+    assert not np.allclose(logits, chunked(second, TOKENS, 1)[0])
 
 
 @pytest.mark.parametrize("first,second", [(WINDOW, FULL), (KIVI, WINDOW)])
-def test_chunked_prefill_equals_token_by_token(first, second):
+def test_chunked_prefill_equals_token_by_token(chunked, first, second):
     spec = LayerSpecs((first, second))
-    np.testing.assert_allclose(run(spec, TOKENS, chunk=8)[0], run(spec, TOKENS)[0], atol=1e-5)
+    np.testing.assert_allclose(chunked(spec, TOKENS, 8)[0], chunked(spec, TOKENS, 1)[0], atol=1e-5)
 
 
-def test_memory_report_sums_the_runs():
+def test_memory_report_sums_the_runs(chunked):
     spec = LayerSpecs((WINDOW, KIVI))
-    _, cache = run(spec, TOKENS[:20])
+    _, cache = chunked(spec, TOKENS[:20], 1)
     report = memory_report(cache)
     assert report.allocated_bytes == sum(int(x.nbytes) for x in jax.tree.leaves(cache))
     assert report.allocated["sinks"] and report.allocated["window"] and report.allocated["codes"]

@@ -91,7 +91,7 @@ def test_batch_text_requests_equal_each_alone():
 
 
 def test_materialised_buffers_lists_what_a_program_writes():
-    hlo = jax.jit(lambda x: (x * 2.0).sum(axis=0)).lower(np.zeros((3, 4), np.float32)).compile().as_text()
+    hlo = jax.jit(lambda x: x.sum(axis=0) * 2.0).lower(np.zeros((3, 4), np.float32)).compile().as_text()
     buffers = materialised_buffers(hlo)
     assert any(dtype == "f32" and shape == (4,) for _, dtype, shape in buffers)
     assert not any(shape == (3, 4) for _, _, shape in buffers)  # the parameter writes nothing

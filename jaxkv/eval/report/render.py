@@ -8,7 +8,6 @@ running any model.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
