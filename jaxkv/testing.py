@@ -91,7 +91,7 @@ def tiny_model(seed: int = 0, **overrides) -> Llama:
 def numpy_weights(model: Llama) -> dict[str, np.ndarray]:
     """``model``'s weights as NumPy arrays, keyed and shaped as
     :func:`jaxkv.models.llama.weight_shapes` (the internal layout of
-    :mod:`jaxkv.models.config`: per-layer tensors stacked on a leading ``L`` axis, e.g.
+    :mod:`jaxkv.models.llama`: per-layer tensors stacked on a leading ``L`` axis, e.g.
     ``wq: [L, D, N*H]``), in the parameters' dtype (float32 for :func:`tiny_model`).
     :meth:`Llama.from_weights` takes them back."""
     return {name: np.asarray(getattr(model, name)[...]) for name in weight_shapes(model.config)}

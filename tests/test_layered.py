@@ -110,3 +110,18 @@ def test_deprecated_six_call_protocol_equals_the_three_calls(spec):
         for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         cache = new
+
+
+def test_a_layered_cache_saves_and_loads(chunked, tmp_path):
+    from jaxkv.cache.checkpoint import load_cache, save_cache
+
+    spec = LayerSpecs((KIVI, WINDOW))
+    _, cache = chunked(spec, TOKENS[:30], 1)
+    save_cache(tmp_path / "c.safetensors", cache)
+    empty = KVCache.create(spec, batch=1, n_layers=2, n_kv_heads=2, head_dim=8)
+    loaded, _, _ = load_cache(tmp_path / "c.safetensors", empty)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(JaxkvError, match="another cache spec"):
+        load_cache(tmp_path / "c.safetensors", KVCache.create(LayerSpecs((WINDOW, KIVI)), batch=1, n_layers=2,
+                                                             n_kv_heads=2, head_dim=8))

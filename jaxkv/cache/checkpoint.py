@@ -1,10 +1,11 @@
 """Save and load a KV cache: one ``safetensors`` file, atomic, checksummed, every field checked.
 
-The file holds every leaf of the cache pytree, named by its path in the pytree
+The file holds every leaf of the cache pytree (a :class:`KVCache` or a per-layer
+:class:`jaxkv.cache.layered.LayeredCache`), named by its path in the pytree
 (``jax.tree_util.tree_flatten_with_path``: ``cache.ring_k``, ``cache.quant.k_codes``, ...),
 so any cache layout saves and loads without a list of leaf names here; the caller's extra
 arrays (e.g. a conversation's token ids) under their own names; and string metadata: the
-file ``format``, the cache ``spec`` (JSON of :class:`CacheSpec`), the caller's entries, and a
+file ``format``, the cache ``spec`` (JSON of :class:`CacheSpec` or :class:`LayerSpecs`), the caller's entries, and a
 ``checksum``: SHA-256 over every metadata entry and every array (name, dtype, shape, bytes).
 
 bfloat16 leaves (no ``safetensors.numpy`` dtype) are stored as their uint16 bit patterns and
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.kv import KVCache
-from jaxkv.cache.spec import CacheSpec
+from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.errors import JaxkvError
 from jaxkv.files import atomic_write
 
@@ -105,7 +106,11 @@ def load_cache(
     path = os.fspath(path)
     tensors, meta = _read(path, file_format, what)
     try:
-        spec = CacheSpec(**json.loads(meta["spec"]))
+        fields = json.loads(meta["spec"])
+        if "specs" in fields:  # LayerSpecs: one CacheSpec per layer
+            spec = LayerSpecs(tuple(CacheSpec(**f) for f in fields["specs"]))
+        else:
+            spec = CacheSpec(**fields)
     except (KeyError, TypeError, ValueError) as e:
         raise JaxkvError(f"{path}: corrupt {what} file (spec: {e})") from None
     if callable(like) and not isinstance(like, KVCache):

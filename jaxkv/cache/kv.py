@@ -97,7 +97,7 @@ class KVCache:
     :meth:`jaxkv.cache.storage.Storage.to_container`.
 
     ``batch_sharded`` (static) says the B axis is split over devices
-    (:func:`jaxkv.parallel.shard_cache` sets it): writes then update all rows at once
+    (:func:`jaxkv.decode.parallel.shard_cache` sets it): writes then update all rows at once
     (``write_ring(batch_parallel=True)``) so each device writes only its own rows.
 
     A model uses it through three calls (DESIGN §3): ``cache, step = cache.begin(n, T)``

@@ -33,7 +33,7 @@ def write_ring(buf, new, start, n, *, batch_axis: int, slot_axis: int, batch_par
     makes the SPMD partitioner all-gather the whole buffer. ``batch_parallel=True`` applies
     the same row update under ``jax.vmap``, which lowers to a gather/scatter with batching
     dimensions that every device runs on its own rows (no communication); use it when the
-    batch axis is sharded (:mod:`jaxkv.parallel`).
+    batch axis is sharded (:mod:`jaxkv.decode.parallel`).
     """
     ring, chunk = buf.shape[slot_axis], new.shape[slot_axis]
     block = min(ring, chunk)

@@ -8,7 +8,7 @@ own retained set (DESIGN §2), so a prompt longer than a StreamingLLM cache is f
 Public pieces, used by :func:`jaxkv.generate`, chat, batch decoding and perplexity alike:
 
 * :func:`new_cache`: an empty cache shaped for a model (optionally born sharded on a mesh);
-* :func:`plan_chunks`: the planned-chunk iterator (``ring.plan_chunk``, padded to one static
+* :func:`plan_chunks`: the planned-chunk iterator (``spec.policy.plan_chunk``, padded to one static
   length T) that prefill and :func:`jaxkv.eval.token_nll` both stream with;
 * :func:`prefill`, :func:`decode`, and :func:`prefill_and_decode` (the two, timed);
 * :func:`lower_decode` / :func:`compile_decode`: the decode loop lowered or compiled for a cache,
@@ -145,7 +145,7 @@ class Chunk:
 def plan_chunks(spec: CacheSpec, lengths, counts, t: int) -> Iterator[Chunk]:
     """Chunks that append ``counts[b]`` tokens to each row of a cache holding ``lengths[b]``.
 
-    Each chunk is planned by :func:`jaxkv.cache.ring.plan_chunk` (never crossing the sink
+    Each chunk is planned by :meth:`jaxkv.cache.policy.Policy.plan_chunk` (never crossing the sink
     boundary nor a KIVI flush), so every query of a chunk attends to exactly its retained set.
 
     Args:

@@ -47,14 +47,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.cache.kv import KVCache
 from jaxkv.errors import JaxkvError, check_int
-from jaxkv.io import LoadedModel
+from jaxkv.io import LoadedModel, registry
 
 AXES = ("data", "kv")
 SHARD_MODES = ("data", "data,kv")
 
 # parameters split over the 'kv' axis (tensor parallel): name -> axis of the stacked weight
-_HEAD_AXIS = {"wq": 2, "wk": 2, "wv": 2, "wo": 1}
-_MLP_AXIS = {"w_gate": 2, "w_up": 2, "w_down": 1}
 
 
 def make_mesh(*, data: int | None = None, kv: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -160,14 +158,17 @@ def create_cache(spec, mesh: Mesh, **sizes) -> KVCache:
     return jax.jit(make, out_shardings=shardings)().replace(batch_sharded=True)
 
 
-def param_partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, *, n_kv_heads: int) -> P:
-    """Replicated, except over a ``kv`` axis > 1: attention weights split by heads, MLP by hidden units."""
+def param_partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, *, n_kv_heads: int, family=None) -> P:
+    """Replicated, except over a ``kv`` axis > 1: attention weights split by heads, MLP by hidden
+    units, on the axes the model's family names (:class:`jaxkv.models.family.Family`
+    ``head_axes``/``mlp_axes``; ``family`` None = the Llama family)."""
     kv = mesh.shape["kv"]
     if kv == 1:
         return P()
-    axis = _HEAD_AXIS.get(name) if n_kv_heads % kv == 0 else None
+    family = family or registry.FAMILIES["llama"]
+    axis = family.head_axes.get(name) if n_kv_heads % kv == 0 else None
     if axis is None:
-        axis = _MLP_AXIS.get(name)
+        axis = family.mlp_axes.get(name)
     if axis is None or shape[axis] % kv:
         return P()
     spec = [None] * len(shape)
@@ -179,10 +180,15 @@ def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
     """A copy of ``model`` whose parameters live on ``mesh`` (see :func:`param_partition_spec`)."""
     graphdef, state = nnx.split(model.model)
     k = model.config.n_kv_heads
+    try:
+        family = registry.family_of(model.config)
+    except JaxkvError:  # your own model (docs/custom_models.md): weights it names like Llama's are split
+        family = None
 
     def place(path, x):
         name = str(getattr(path[0], "key", getattr(path[0], "name", path[0])))
-        return jax.device_put(x, NamedSharding(mesh, param_partition_spec(name, x.shape, mesh, n_kv_heads=k)))
+        spec = param_partition_spec(name, x.shape, mesh, n_kv_heads=k, family=family)
+        return jax.device_put(x, NamedSharding(mesh, spec))
 
     state = jax.tree_util.tree_map_with_path(place, state)
     return dataclasses.replace(model, model=nnx.merge(graphdef, state))

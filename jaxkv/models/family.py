@@ -60,12 +60,17 @@ class Family:
       weight_shapes: ``config -> {internal name: shape}``, every weight the model holds
         (per-layer weights stacked on a leading L axis).
       hf, gguf, llama2c: how each format stores it (None: not loadable from that format).
+      head_axes, mlp_axes: tensor parallelism (:func:`jaxkv.decode.parallel.shard_model`):
+        internal weight name -> the axis split over KV-head groups (attention) or over
+        hidden units (MLP); weights not named are replicated.
     """
 
     name: str
     config: type
     model: type
     weight_shapes: Callable[[Any], dict[str, tuple[int, ...]]]
+    head_axes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    mlp_axes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     hf: Format | None = None
     gguf: Format | None = None
     llama2c: Format | None = None
