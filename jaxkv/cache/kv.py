@@ -238,26 +238,24 @@ class KVCache:
         (:meth:`jaxkv.cache.policy.Policy.plan_chunk` guarantees it; decode steps of one
         token always satisfy it).
         """
-        spec, n, pos = self.spec, step.n, step.q_pos
-        in_sink = self.length < spec.sink
+        n, pos = step.n, step.q_pos
+        in_sink, sink_slot, ring_slot = self.policy.write_slots(self.length, self.spec.n_ring)
         kv = dict(batch_axis=1, slot_axis=3, batch_parallel=self.batch_sharded)
         pos_axes = dict(batch_axis=0, slot_axis=1, batch_parallel=self.batch_sharded)
         k_new, v_new = self.storage.to_container(k_new), self.storage.to_container(v_new)
         new = {}
-        if spec.n_sink:
+        if self.sink_k is not None:
             ns = jnp.where(in_sink, n, 0)
-            start = jnp.minimum(self.length, spec.sink - 1)
             new.update(
-                sink_k=write_ring(self.sink_k, k_new, start, ns, **kv),
-                sink_v=write_ring(self.sink_v, v_new, start, ns, **kv),
-                sink_pos=write_ring(self.sink_pos, pos, start, ns, **pos_axes),
+                sink_k=write_ring(self.sink_k, k_new, sink_slot, ns, **kv),
+                sink_v=write_ring(self.sink_v, v_new, sink_slot, ns, **kv),
+                sink_pos=write_ring(self.sink_pos, pos, sink_slot, ns, **pos_axes),
             )
         nr = jnp.where(in_sink, 0, n)
-        start = jnp.maximum(self.length - spec.sink, 0) % spec.n_ring
         new.update(
-            ring_k=write_ring(self.ring_k, k_new, start, nr, **kv),
-            ring_v=write_ring(self.ring_v, v_new, start, nr, **kv),
-            ring_pos=write_ring(self.ring_pos, pos, start, nr, **pos_axes),
+            ring_k=write_ring(self.ring_k, k_new, ring_slot, nr, **kv),
+            ring_v=write_ring(self.ring_v, v_new, ring_slot, nr, **kv),
+            ring_pos=write_ring(self.ring_pos, pos, ring_slot, nr, **pos_axes),
         )
         return self.replace(length=self.length + n, **new)
 

@@ -98,6 +98,16 @@ class Policy:
         return q_rot_sink, q_rot, k_shift
 
     # ---- appends ----------------------------------------------------------------------------------
+    def write_slots(self, length, ring: int):
+        """Where each row's next tokens go: ``(in_sink bool[B], sink_slot int32[B], ring_slot int32[B])``.
+
+        Position ``p < S0`` lives in sink slot ``p``, any later one in ring slot
+        ``(p - S0) % ring`` (DESIGN §2); a chunk starting in the sinks stays there
+        (:meth:`plan_chunk`), so one start per region suffices.
+        """
+        in_sink = length < self.sink
+        return in_sink, jnp.minimum(length, max(self.sink - 1, 0)), jnp.maximum(length - self.sink, 0) % ring
+
     def admit(self, length, n):
         """int32[B]: how many of ``n[b]`` new tokens row ``b`` (holding ``length[b]``) may append."""
         n = jnp.asarray(n, jnp.int32)
