@@ -91,25 +91,32 @@ def test_deprecated_six_call_protocol_equals_the_three_calls(spec):
     still work (with a DeprecationWarning) and give the same output and cache."""
     from jaxkv.cache.attention import attend
 
+    @jax.jit
+    def three_calls(cache, q, k, v, n):
+        cache, step = cache.begin(n, q.shape[1])
+        out, ks, vs = attend(step, jax.tree.map(lambda a: a[0], cache.layers()), q, k, v, theta=10000.0)
+        return out, cache.commit(step, ks[None], vs[None])
+
+    @jax.jit
+    def six_calls(cache, q, k, v, n):
+        n = cache.admit(n)
+        cache = cache.prepare(n)
+        view = cache.read_view(cache.query_positions(n, q.shape[1]))
+        out, ks, vs = attend(spec, view, jax.tree.map(lambda a: a[0], cache.layer_leaves()), q, k, v, theta=10000.0)
+        return out, cache.append(ks[None], vs[None], n)
+
     rng = np.random.default_rng(1)
     cache = KVCache.create(spec, batch=2, n_layers=1, n_kv_heads=2, head_dim=8)
-    for _ in range(7):  # a few calls of 3 tokens (row 1 appends 2), across a KIVI flush
-        q, k, v = (jnp.asarray(rng.normal(size=(2, 3, h, 8)), jnp.float32) for h in (4, 2, 2))
-        n = jnp.asarray([3, 2], jnp.int32)
-        new, step = cache.begin(n, 3)
-        out, ks, vs = attend(step, jax.tree.map(lambda a: a[0], new.layers()), q, k, v, theta=10000.0)
-        new = new.commit(step, ks[None], vs[None])
-        with pytest.warns(DeprecationWarning):
-            n_old = cache.admit(n)
-            old = cache.prepare(n_old)
-            view = old.read_view(old.query_positions(n_old, 3))
-            out_old, ks_old, vs_old = attend(spec, view, jax.tree.map(lambda a: a[0], old.layer_leaves()), q, k, v,
-                                             theta=10000.0)
-            old = old.append(ks_old[None], vs_old[None], n_old)
-        np.testing.assert_array_equal(np.asarray(out_old), np.asarray(out))
-        for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        cache = new
+    with pytest.warns(DeprecationWarning):  # raised while tracing
+        for _ in range(7):  # a few calls of 3 tokens (row 1 appends 2), across a KIVI flush
+            q, k, v = (jnp.asarray(rng.normal(size=(2, 3, h, 8)), jnp.float32) for h in (4, 2, 2))
+            n = jnp.asarray([3, 2], jnp.int32)
+            out, new = three_calls(cache, q, k, v, n)
+            out_old, old = six_calls(cache, q, k, v, n)
+            np.testing.assert_array_equal(np.asarray(out_old), np.asarray(out))
+            for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            cache = new
 
 
 def test_a_layered_cache_saves_and_loads(chunked, tmp_path):
