@@ -273,12 +273,12 @@ def test_load_refuses_other_models_specs_and_damaged_files(tmp_path):
 
 @pytest.mark.parametrize("storage", ["fp32", "int4", "bf16"])
 def test_jaxkv_chat_2_files_written_before_the_checkpoint_module_still_load(tmp_path, storage):
-    """tests/data/chat-v2-*.safetensors were written by ChatSession.save as of 5cfd819 (before the
+    """tests/data/chat-v2-*.chat (safetensors files) were written by ChatSession.save as of 5cfd819 (before the
     save/load moved to jaxkv.cache.checkpoint): they load, continue identically, and re-save the
     same arrays and metadata (checksum included)."""
     import safetensors
 
-    golden = REPO / "tests" / "data" / f"chat-v2-{storage}.safetensors"
+    golden = REPO / "tests" / "data" / f"chat-v2-{storage}.chat"
     expected = json.loads((REPO / "tests" / "data" / "chat-v2-expected.json").read_text())[storage]
     session = ChatSession.load(golden, stories_chat())
     assert session.transcript_ids == expected["transcript"]
