@@ -1,8 +1,14 @@
-"""Deprecated: moved to :mod:`jaxkv.decode.chat`. Importing ``jaxkv.chat`` warns and gives that module."""
+"""Deprecated: moved to :mod:`jaxkv.decode.chat` (the session) and :mod:`jaxkv.cli.chat` (the
+REPL). Importing ``jaxkv.chat`` warns and gives the public names it had."""
 
-import importlib
-import sys
 import warnings
 
-warnings.warn("jaxkv.chat is deprecated: import jaxkv.decode.chat instead", DeprecationWarning, stacklevel=2)
-sys.modules[__name__] = importlib.import_module("jaxkv.decode.chat")
+from jaxkv.cli.chat import CHAT_HELP, chat_loop
+from jaxkv.cli.chat import run as run_cli
+from jaxkv.decode.chat import FILE_FORMAT, ChatSession, ChatStats, default_cache_spec, model_fingerprint
+
+__all__ = ["CHAT_HELP", "FILE_FORMAT", "ChatSession", "ChatStats", "chat_loop", "default_cache_spec",
+           "model_fingerprint", "run_cli"]
+
+warnings.warn("jaxkv.chat is deprecated: import jaxkv.decode.chat (ChatSession) or jaxkv.cli.chat (the REPL)",
+              DeprecationWarning, stacklevel=2)

@@ -26,8 +26,12 @@ def atomic_write(path: str | os.PathLike, data: bytes, *, private: bool = True) 
     Raises:
       OSError: the directory is missing or not writable (nothing is left behind).
     """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
+    path = os.path.realpath(os.fspath(path))  # a symlink is written through, not replaced
+    if os.path.exists(path) and not os.path.isfile(path):  # a device or a pipe (/dev/stdout): no rename
+        with open(path, "wb") as f:
+            f.write(data)
+        return
+    directory = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     resdir.mkdir(parents=True, exist_ok=True)
 
     from jaxkv.eval.report import measure, plot, render
+    from jaxkv.files import atomic_write
 
     if args.render_only:
         res = json.loads((resdir / "results.json").read_text())
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
         jax.config.update("jax_platforms", "cpu")
         sections = [int(s) for s in args.sections.split(",")]
         res = measure.run(DATA, quick=args.quick, sections=sections, checkpoint=resdir / "results.json")
-        (resdir / "results.json").write_text(json.dumps(res))
+        atomic_write(resdir / "results.json", json.dumps(res).encode(), private=False)
     if args.no_plots:
         made = [p.name for p in sorted(resdir.glob("*.png"))]
     else:

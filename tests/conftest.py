@@ -39,13 +39,14 @@ def smollm2():
 def chunked():
     """``chunked(spec, tokens, chunk, model=None, cache=None, sizes=None) -> (logits, cache)``:
     the logits float32[T, V] of every token when ``tokens`` (T ids) are streamed through
-    jaxkv's forward in chunks of up to ``chunk`` (planned by ``Policy.plan_chunk``), into
+    jaxkv's forward in chunks of up to ``chunk`` (:func:`jaxkv.decode.plan_chunks`), into
     ``cache`` (default: a new one-row cache of ``spec``) of ``model`` (default:
     ``jaxkv.testing.tiny_model()``); each chunk's token count is appended to ``sizes`` if given."""
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxkv import KVCache, forward
+    from jaxkv import forward
+    from jaxkv.decode import new_cache, plan_chunks
     from jaxkv.testing import tiny_model
 
     step = jax.jit(forward, static_argnums=0, donate_argnames="cache")
@@ -54,18 +55,13 @@ def chunked():
         model = model or tiny_model()
         gd, st = nnx.split(model)
         if cache is None:
-            c = model.config
-            cache = KVCache.create(spec, batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
-        rows, i = [], 0
-        while i < len(tokens):
-            n = int(spec.policy.plan_chunk(np.asarray(cache.length), np.asarray([len(tokens) - i]), chunk)[0])
-            buf = np.zeros((1, chunk), np.int32)
-            buf[0, :n] = tokens[i : i + n]
-            logits, cache = step(gd, st, jnp.asarray(buf), jnp.asarray([n], jnp.int32), cache)
-            rows.append(np.asarray(logits[0, :n]))
+            cache = new_cache(model.config, spec, 1)
+        rows = []
+        for c in plan_chunks(spec, np.asarray(cache.length), [len(tokens)], chunk):
+            logits, cache = step(gd, st, jnp.asarray(c.take([tokens], chunk)), jnp.asarray(c.n), cache)
+            rows.append(np.asarray(logits[0, : c.n[0]]))
             if sizes is not None:
-                sizes.append(n)
-            i += n
+                sizes.append(int(c.n[0]))
         return np.concatenate(rows), cache
 
     return run

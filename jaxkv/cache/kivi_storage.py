@@ -88,15 +88,12 @@ class KiviStorage(Storage):
         window = retained - self.residual
         return window - window % self.group_size
 
-    def check(self, head_dim: int) -> None:
+    def create_store(self, policy, *, lbk: tuple, head_dim: int, batch: int) -> QuantRing:
         per_byte = 8 // self.bits
         if head_dim % per_byte:
             raise JaxkvError(f"head_dim={head_dim} is not a multiple of {per_byte}, the {self.kind} codes per byte")
-
-    def create_store(self, policy, *, lbk: tuple, head_dim: int, batch: int) -> QuantRing:
-        self.check(head_dim)
         w, g, sdt = self.store_slots(policy), self.group_size, jnp.dtype(self.scale_dtype)
-        width = head_dim // (8 // self.bits)
+        width = head_dim // per_byte
         return QuantRing(
             k_codes=jnp.zeros(lbk + (w, width), jnp.uint8),
             k_scale=jnp.ones(lbk + (w // g, head_dim), sdt),

@@ -70,11 +70,12 @@ class Storage:
         return retained
 
     # ---- the compressed store (none for float storage) ---------------------------------------------
-    def check(self, head_dim: int) -> None:
-        """Raise :class:`jaxkv.errors.JaxkvError` if ``head_dim`` cannot be stored."""
-
     def create_store(self, policy, *, lbk: tuple, head_dim: int, batch: int):
-        """An empty compressed store (a pytree with a ``pos`` leaf, or None)."""
+        """An empty compressed store (a pytree with a ``pos`` leaf, or None).
+
+        Raises:
+          JaxkvError: a ``head_dim`` the storage cannot hold.
+        """
         return None
 
     def flush_ring(self, cache, n):

@@ -427,9 +427,7 @@ def run_file(
     out_dir = os.path.dirname(os.path.abspath(os.fspath(output_path)))
     if not os.path.isdir(out_dir):
         raise JaxkvError(f"{output_path}: the directory {out_dir} does not exist")
-    import jax
-
-    lead = jax.process_index() == 0
+    lead = parallel.is_lead()
     if not lead:
         report = lambda msg: None  # noqa: E731
         kwargs["progress"] = False

@@ -66,7 +66,6 @@ from jaxkv.decode.sampler import Sampler
 from jaxkv.decode.text import text_stream
 from jaxkv.errors import CacheFullError, JaxkvError, check_int
 from jaxkv.io import LoadedModel
-from jaxkv.models.llama import LlamaConfig
 
 FILE_FORMAT = "jaxkv-chat/2"  # 2: KIVI codes in the split-half bit layout
 _USER_SENTINEL = "JAXKV_SENTINEL_USER_8c1f"
@@ -75,7 +74,7 @@ _SAMPLED_ELEMENTS = 4096  # elements hashed per non-embedding weight in the mode
 
 
 def default_cache_spec(
-    config: LlamaConfig,
+    config,
     *,
     kv_quantize: str = "fp32",
     group_size: int = 32,
@@ -86,6 +85,7 @@ def default_cache_spec(
 ) -> CacheSpec:
     """The chat's default cache: a StreamingLLM cache that never runs out.
 
+    ``config``: the model's (its ``max_seq_len``, the trained context, is read).
     ``sink`` sinks plus a window filling ``min(slots, config.max_seq_len)`` retained tokens
     (``sink 4 + window 1020`` for SmolLM2; ``4 + 508`` for stories260K's 512-token
     context). With KIVI the residual counts towards the retained tokens and the window is
@@ -96,6 +96,7 @@ def default_cache_spec(
       JaxkvError: sizes that leave no valid window (the message names them).
     """
     total = min(slots, config.max_seq_len)
+    # the storage of a spec that has validated these values (named errors, not a division by zero)
     storage = CacheSpec(max_len=1, kv_quantize=kv_quantize, group_size=group_size, residual=residual).storage
     window = storage.window_for(total - sink)
     if window < 1:
@@ -189,7 +190,7 @@ class ChatSession:
         if not isinstance(sampler, Sampler):
             raise JaxkvError(f"ChatSession: sampler must be a jaxkv.Sampler, got {type(sampler).__name__}")
         for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("block", block, 1), ("seed", seed, 0)):
-            check_int(name, value, low)
+            check_int(f"ChatSession: {name}", value, low)
         if system is not None and not isinstance(system, str):
             raise JaxkvError(f"ChatSession: system={system!r}, expected a string or None")
         if cache is not None and not isinstance(cache, CacheSpec):

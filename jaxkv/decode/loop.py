@@ -33,6 +33,7 @@ from jax import lax
 
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.spec import CacheSpec
+from jaxkv.decode import parallel
 from jaxkv.decode.sampler import Sampler, prng_keys
 from jaxkv.errors import CacheFullError
 from jaxkv.io import LoadedModel
@@ -55,8 +56,6 @@ def new_cache(config, spec: CacheSpec, batch: int, *, mesh=None) -> KVCache:
     """
     sizes = dict(batch=batch, n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim)
     if mesh is not None:
-        from jaxkv.decode import parallel
-
         return parallel.create_cache(spec, mesh, **sizes)
     return KVCache.create(spec, **sizes)
 

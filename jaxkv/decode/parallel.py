@@ -52,8 +52,6 @@ from jaxkv.io import LoadedModel, registry
 AXES = ("data", "kv")
 SHARD_MODES = ("data", "data,kv")
 
-# parameters split over the 'kv' axis (tensor parallel): name -> axis of the stacked weight
-
 
 def make_mesh(*, data: int | None = None, kv: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A 2-D mesh with axes ``("data", "kv")`` of shape ``(data, kv)``.
@@ -69,7 +67,7 @@ def make_mesh(*, data: int | None = None, kv: int = 1, devices: Sequence[jax.Dev
     devices = list(jax.devices() if devices is None else devices)
     for name, value in (("kv", kv), ("data", data)):
         if value is not None:
-            check_int(name, value, 1)
+            check_int(f"make_mesh: {name}", value, 1)
     if data is None:
         if len(devices) % kv:
             raise JaxkvError(f"make_mesh: kv={kv} does not divide the {len(devices)} devices")
@@ -137,11 +135,11 @@ def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
     return placed.replace(batch_sharded=True)
 
 
-def create_cache(spec, mesh: Mesh, **sizes) -> KVCache:
-    """An empty cache born sharded (like ``shard_cache(KVCache.create(spec, **sizes), mesh)``).
+def create_cache(spec, mesh: Mesh, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int) -> KVCache:
+    """An empty cache born sharded (like ``shard_cache(KVCache.create(spec, ...), mesh)``).
 
-    ``sizes``: ``batch``, ``n_layers``, ``n_kv_heads``, ``head_dim`` as :meth:`KVCache.create`
-    takes them (:func:`jaxkv.decode.new_cache` with a mesh passes a model's). Each device
+    Sizes as :meth:`KVCache.create` takes them (:func:`jaxkv.decode.new_cache` with a mesh
+    passes a model's). Each device
     allocates only its own block (the creation is jitted with the leaves' shardings as
     ``out_shardings``), so no host ever holds the whole global cache, which matters when the
     mesh spans several hosts.
@@ -149,10 +147,10 @@ def create_cache(spec, mesh: Mesh, **sizes) -> KVCache:
     Raises:
       JaxkvError: B not a multiple of the ``data`` size, or K not a multiple of the ``kv`` size.
     """
-    _check_split(sizes["batch"], sizes["n_kv_heads"], mesh)
+    _check_split(batch, n_kv_heads, mesh)
 
     def make():
-        return KVCache.create(spec, **sizes)
+        return KVCache.create(spec, batch=batch, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
 
     shardings = cache_shardings(jax.eval_shape(make), mesh)
     return jax.jit(make, out_shardings=shardings)().replace(batch_sharded=True)
@@ -161,11 +159,11 @@ def create_cache(spec, mesh: Mesh, **sizes) -> KVCache:
 def param_partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, *, n_kv_heads: int, family=None) -> P:
     """Replicated, except over a ``kv`` axis > 1: attention weights split by heads, MLP by hidden
     units, on the axes the model's family names (:class:`jaxkv.models.family.Family`
-    ``head_axes``/``mlp_axes``; ``family`` None = the Llama family)."""
+    ``head_axes``/``mlp_axes``; ``family`` None = :data:`jaxkv.io.registry.DEFAULT`)."""
     kv = mesh.shape["kv"]
     if kv == 1:
         return P()
-    family = family or registry.FAMILIES["llama"]
+    family = family or registry.DEFAULT
     axis = family.head_axes.get(name) if n_kv_heads % kv == 0 else None
     if axis is None:
         axis = family.mlp_axes.get(name)
@@ -179,11 +177,7 @@ def param_partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, *, n_kv_
 def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
     """A copy of ``model`` whose parameters live on ``mesh`` (see :func:`param_partition_spec`)."""
     graphdef, state = nnx.split(model.model)
-    k = model.config.n_kv_heads
-    try:
-        family = registry.family_of(model.config)
-    except JaxkvError:  # your own model (docs/custom_models.md): weights it names like Llama's are split
-        family = None
+    k, family = model.config.n_kv_heads, registry.family_of(model.config, default=registry.DEFAULT)
 
     def place(path, x):
         name = str(getattr(path[0], "key", getattr(path[0], "name", path[0])))

@@ -37,6 +37,9 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from jaxkv.cache.policy import POSITION_MODES
+from jaxkv.cache.spec import KV_MODES
+
 HAZARDS = ("unsigned-index", "int4", "f64", "complex", "scatter", "bit-count")
 
 # op -> how to find its index operands from the operand count n
@@ -136,7 +139,7 @@ def audit_function(fn, *args, **kwargs) -> list[str]:
 # ------------------------------------------------------------------- jaxkv's own programs
 
 MODES = tuple(
-    itertools.product(("fp32", "fp16", "bf16", "int8", "int4", "int2"), ("full", "streaming"), ("absolute", "cache"))
+    itertools.product(KV_MODES, ("full", "streaming"), POSITION_MODES)
 )
 """Every cache mode the audit covers: (kv_quantize, full|streaming, positions)."""
 
@@ -217,7 +220,7 @@ def audit_all(model=None) -> dict[tuple[str, str, str], dict[str, list[str]]]:
 
 # ----------------------------------------------------------------- what a backend supports
 
-_ALL_OK = dict.fromkeys(("fp32", "fp16", "bf16", "int8", "int4", "int2"), "supported")
+_ALL_OK = dict.fromkeys(KV_MODES, "supported")
 _METAL = {**_ALL_OK, "bf16": "risky: bfloat16 is unreliable on Metal (prefer fp16)"}
 
 

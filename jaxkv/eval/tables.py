@@ -28,14 +28,13 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.memory import MemoryReport, memory_report
 from jaxkv.cache.spec import QUANT_MODES, CacheSpec
 from jaxkv.errors import JaxkvError
 from jaxkv.io import LoadedModel
-from jaxkv.decode import generate
+from jaxkv.decode import generate, plan_chunks
 
 SMOLLM2_SHAPE = dict(n_layers=30, n_kv_heads=3, head_dim=64)
 MEMORY_TOKENS = (128, 256, 512, 1024, 2048)
@@ -93,7 +92,7 @@ def filled_report(spec: CacheSpec, tokens: int, *, shape: dict = SMOLLM2_SHAPE) 
 
     For a cache whose capacity is not exactly ``tokens`` slots: ``live_bytes`` counts only
     the slots holding a token. One compile per spec and shape (chunks of ``spec.max_chunk``,
-    planned by :meth:`jaxkv.cache.policy.Policy.plan_chunk`).
+    planned by :func:`jaxkv.decode.plan_chunks`).
 
     Args:
       spec: the cache; tokens: tokens appended (>= 0); shape: as :func:`allocated_report`.
@@ -102,17 +101,13 @@ def filled_report(spec: CacheSpec, tokens: int, *, shape: dict = SMOLLM2_SHAPE) 
     t = spec.max_chunk
     kv = jnp.zeros((shape["n_layers"], 1, shape["n_kv_heads"], t, shape["head_dim"]), jnp.float32)
 
-
     def append(cache, n):  # entries >= n ignored
         cache, step = cache.begin(n, t)
         return cache.commit(step, kv, kv)
 
     step = jax.jit(append)  # one compile
-    i = 0
-    while i < tokens:
-        n = int(spec.policy.plan_chunk(np.array([i]), np.array([tokens - i]), t)[0])
-        cache = step(cache, jnp.asarray([n], jnp.int32))
-        i += n
+    for chunk in plan_chunks(spec, [0], [tokens], t):
+        cache = step(cache, jnp.asarray(chunk.n))
     return memory_report(cache)
 
 
@@ -206,10 +201,9 @@ def greedy_match(model: LoadedModel, prompts=PROMPTS, *, modes=GREEDY_MODES, new
     max_len = max(len(p) for p in ids) + new_tokens
 
     def run(mode):
-        kw = dict(group_size=group_size, residual=residual) if mode in QUANT_MODES else {}
         t0, c0 = time.perf_counter(), time.process_time()
-        out = generate(model, ids, max_new_tokens=new_tokens, cache=CacheSpec(max_len=max_len, kv_quantize=mode, **kw),
-                       eos_id=-1)
+        spec = CacheSpec(max_len=max_len, kv_quantize=mode, group_size=group_size, residual=residual)  # G, R: KIVI only
+        out = generate(model, ids, max_new_tokens=new_tokens, cache=spec, eos_id=-1)
         assert all(len(t) == new_tokens for t in out.token_ids), out.finish_reasons
         timing = dict(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0,
                       compile_s=out.compile_s, prefill_s=out.prefill_s, decode_s=out.decode_s)

@@ -19,6 +19,11 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (llama.FAMILY,)
 LLAMA2C: Family = FAMILIES["llama"]
 """The family of llama2.c checkpoints (the format holds no architecture name)."""
 
+DEFAULT: Family = FAMILIES["llama"]
+"""The family assumed for a model of no registered family (your own Flax model,
+docs/custom_models.md) where one is needed: e.g. its weights named like Llama's are split
+for tensor parallelism, the others replicated."""
+
 _BY_CONFIG = {family.config: family for family in FAMILIES.values()}
 if len(_BY_CONFIG) != len(FAMILIES):
     raise RuntimeError("two registered families share a config class: give each family its own")
@@ -58,13 +63,13 @@ def family_for_gguf(architecture) -> Family:
     )
 
 
-def family_of(config) -> Family:
-    """The family whose config class ``config`` is an instance of (exactly).
+def family_of(config, *, default: Family | None = None) -> Family:
+    """The family whose config class ``config`` is an instance of (exactly), else ``default``.
 
     Raises:
-      JaxkvError: a config of no registered family (named, with the registered ones).
+      JaxkvError: a config of no registered family (named, with the registered ones) and no ``default``.
     """
-    family = _BY_CONFIG.get(type(config))
+    family = _BY_CONFIG.get(type(config), default)
     if family is None:
         known = ", ".join(c.__name__ for c in _BY_CONFIG)
         raise JaxkvError(f"config {type(config).__name__} is of no registered model family: expected one of {known}")

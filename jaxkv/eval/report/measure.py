@@ -37,6 +37,7 @@ from jaxkv.eval import tables
 from jaxkv.eval.fake_quant import FakeQuantKV
 from jaxkv.eval.perplexity import perplexity, recompute_nll, teacher_forced_nll, token_nll
 from jaxkv.errors import JaxkvError
+from jaxkv.files import atomic_write
 from jaxkv.io import load_model
 
 FULL = dict(
@@ -353,7 +354,7 @@ def run(data: pathlib.Path, *, quick: bool = False, sections=SECTIONS, checkpoin
         if 3 in sections:
             section3(name, model, text, cfg, res, timings)
         if checkpoint is not None:
-            checkpoint.write_text(json.dumps(to_jsonable(res)))
+            atomic_write(checkpoint, json.dumps(to_jsonable(res)).encode(), private=False)
     if 5 in sections:
         section5(models, cfg, res, timings)
     timings["total"] = dict(wall_s=round(time.perf_counter() - total_t, 1), cpu_s=round(time.process_time() - total_c, 1))

@@ -3,12 +3,12 @@ optional ``results`` extra (``pip install 'jaxkv[results]'``)."""
 
 from __future__ import annotations
 
-import math
 import pathlib
 
 import numpy as np
 
 from jaxkv.errors import JaxkvError
+from jaxkv.eval.perplexity import paired_ratio
 from jaxkv.eval.report.measure import MODEL_NAMES
 
 
@@ -65,8 +65,9 @@ def plots(res: dict, outdir: pathlib.Path) -> list[str]:
         edges = [lo for lo in range(0, n, bw) if ((pos >= lo) & (pos < lo + bw)).sum() >= 4]
         for kind in ("full", "window", "sink_absolute", "sink_cache"):
             nll = np.asarray(s1["runs"][kind])
-            ys = [math.exp(float(np.mean(nll[pos[(pos >= lo) & (pos < lo + bw)]] - rec[(pos >= lo) & (pos < lo + bw)])))
-                  for lo in edges]
+            full = np.zeros(len(nll))  # the oracle's NLL by query position (only the sampled ones are read)
+            full[pos] = rec
+            ys = [paired_ratio(nll, full, pos[(pos >= lo) & (pos < lo + bw)])["ratio"] for lo in edges]
             bx.plot([lo + bw / 2 for lo in edges], ys, "o-", color=colors[kind], ms=4, lw=1.2)
         bx.axhspan(1 / 1.1, 1.1, color="tab:green", alpha=0.15, label="within 10 % of the oracle")
         bx.axhline(1.0, color="k", lw=0.8)
@@ -75,7 +76,7 @@ def plots(res: dict, outdir: pathlib.Path) -> list[str]:
         bx.set_xlabel("token position")
         bx.legend(fontsize=8, loc="upper left")
         bx.grid(alpha=0.3, which="both")
-        trained = 512 if name == "stories260K" else 8192
+        trained = res[name]["config"]["trained_context"]
         for a in (ax, bx):
             a.axvline(s1["cache"], color="k", ls=":", lw=0.8)
             if trained < n:

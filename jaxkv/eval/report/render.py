@@ -352,28 +352,12 @@ def section1_discussion(res, cl) -> str:
                  f"{sm['vs_recompute']['full']['ratio']:.2f} to the oracle: more context than the oracle's 256 tokens).")
     if st:
         w = st["vs_recompute"]["window"]
-        sm3 = res["stories260K"].get("s3", {})
-        mass = sm3.get("sink_mass")  # measured by the runs before the ablation used the library's forward
-        if not st["window_blows_up"] and not mass:
+        if not st["window_blows_up"]:
             L.append(f"- **stories260K does not show the attention-sink effect**: window only is {w['ratio']:.3f}x "
                      "the oracle past the window, and no blow-up: evicting the first tokens costs it nothing. A "
                      "plausible cause (not tested here): llama2.c trains on random 512-token crops of the "
                      "concatenated stories, so the first token of a training window is an arbitrary mid-story "
                      "token, and BOS recurs at every story start.")
-        elif not st["window_blows_up"]:
-            L.append(f"- **stories260K does not show the attention-sink effect**: window only is {w['ratio']:.3f}x "
-                     "the oracle past the window, and no blow-up. Measured reason: the model hardly attends to its "
-                     "first token. In one causal pass over section 3's 512-token segments (BOS first), the mean "
-                     "attention weight on position 0 of queries at positions >= 32 is, by layer, "
-                     + ", ".join(f"{x:.3f}" for x in mass)
-                     + f", against {sm3['sink_mass_uniform']:.3f} for uniform attention"
-                     + (" (SmolLM2-135M over its first 1024 tokens, by layer: " + ", ".join(
-                         f"{x:.2f}" for x in res["SmolLM2-135M"]["s3"]["sink_mass"]) + ")"
-                        if "sink_mass" in res.get("SmolLM2-135M", {}).get("s3", {}) else "")
-                     + ". With no sink to lose, evicting the first tokens costs nothing. A plausible cause (not "
-                     "tested here): llama2.c trains on random 512-token crops of the concatenated stories, so the "
-                     "first token of a training window is an arbitrary mid-story token, and BOS recurs at every "
-                     "story start.")
         else:
             L.append(f"- **stories260K**: window only is {w['ratio']:.3f}x the oracle past the window.")
         a = st["vs_recompute"]["sink_absolute"]
