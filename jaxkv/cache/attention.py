@@ -15,11 +15,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.cache.kv import LayerKV, Step
-from jaxkv.cache.rope import apply_rope, rope_blocks
+from jaxkv.cache.rope import Rope, apply_rope, as_rope, rope_blocks
 from jaxkv.cache.spec import CacheSpec
+from jaxkv.errors import JaxkvError
 
 
-def attend(step: Step, layer: LayerKV, q, k, v, *args, theta: float):
+def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None, theta: float | None = None,
+           scale: float | None = None, softcap: float | None = None):
     """Grouped-query attention of a chunk over one layer of the cache and itself.
 
     Args:
@@ -27,12 +29,19 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, theta: float):
       layer: one layer of :meth:`KVCache.layers` (the L axis removed).
       q: ``[B, T, N, H]`` queries before RoPE. k, v: ``[B, T, K, H]`` the chunk's keys
         (before RoPE) and values; ``N % K == 0``.
-      theta: RoPE base.
+      rope: the layer's :class:`~jaxkv.cache.rope.Rope` (its frequencies, scaling included);
+        or ``theta``, the base of plain RoPE.
+      scale: the score scale (default ``1/sqrt(H)``; Gemma: ``query_pre_attn_scalar**-0.5``).
+      softcap: None, or ``c`` to cap scores as ``c * tanh(s / c)`` before the softmax
+        (Gemma 2's attention logit soft-capping).
     Returns:
       ``(out[B, T, N, H], k_store[B, K, T, H], v_store[B, K, T, H])``: the attention
       output in ``q.dtype``, and the chunk's keys/values as the cache stores them (keys
       after RoPE in ``absolute`` mode, before RoPE in ``cache`` mode): stack them on L
       for :meth:`KVCache.commit`.
+    Raises:
+      JaxkvError: neither or both of ``rope`` and ``theta``, a rope of another head dim, or
+        a ``softcap`` that is not positive.
 
     The deprecated form ``attend(spec, view, layer, q, k, v, theta=...)`` (the six-call
     protocol) is still accepted.
@@ -43,6 +52,9 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, theta: float):
         step, layer, q, k, v = layer, q, k, v, args[0]
     policy, storage = step.spec.policy, step.spec.storage
     b, t, n_heads, h = q.shape
+    rope = as_rope(rope, theta, h)
+    if softcap is not None and not softcap > 0:
+        raise JaxkvError(f"attend: softcap={softcap!r}, expected a positive number or None")
     n_kv = k.shape[2]
     dtype = q.dtype
     k = jnp.swapaxes(k, 1, 2)  # [B, K, T, H]
@@ -54,12 +66,12 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, theta: float):
         if len(blocks) == 1:  # split into halves: rotated keys are never concatenated
             half = blocks[0].shape[-1] // 2
             blocks = [blocks[0][..., :half], blocks[0][..., half:]]
-        return rope_blocks(blocks, pos, theta=theta)
+        return rope_blocks(blocks, pos, rope=rope)
 
     def rotate_keys(blocks, pos):  # pos int32[B, S]: window keys at their rank (cache mode)
         return rotate(blocks, pos[:, None, :] - shift) if cache_mode else blocks
 
-    k_store = k if cache_mode else apply_rope(k, step.q_pos[:, None, :], theta=theta)
+    k_store = k if cache_mode else apply_rope(k, step.q_pos[:, None, :], rope=rope)
 
     # segments: (key blocks [B,K,S,H/n], value blocks [B,K,S,H/m], positions [B,S], is_sink).
     # A segment is a list of channel blocks (KIVI int4/int2: one per packed bit field) so that
@@ -79,9 +91,9 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, theta: float):
 
     group = n_heads // n_kv
     qg = q.reshape(b, t, n_kv, group, h)
-    q_main = apply_rope(qg, step.q_rot[:, :, None, None], theta=theta)
-    q_sink = apply_rope(qg, step.q_rot_sink[:, :, None, None], theta=theta) if cache_mode else q_main
-    scale = 1.0 / jnp.sqrt(jnp.float32(h))
+    q_main = apply_rope(qg, step.q_rot[:, :, None, None], rope=rope)
+    q_sink = apply_rope(qg, step.q_rot_sink[:, :, None, None], rope=rope) if cache_mode else q_main
+    scale = 1.0 / jnp.sqrt(jnp.float32(h)) if scale is None else jnp.float32(scale)
 
     # queries as [B, K, G*T, H]; keys are the dot's first operand, contracted over their
     # minor axis H: the layout the cache stores them in.
@@ -97,6 +109,8 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, theta: float):
             for j, block in enumerate(keys)
         )  # [B, K, S, G*T]
         s = jnp.swapaxes(s, 2, 3).reshape(b, n_kv, group, t, -1) * scale
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
         mask = policy.visible(step.q_pos[:, :, None], pos[:, None, :])  # [B, T, S]
         scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
     s = jnp.concatenate(scores, axis=-1)

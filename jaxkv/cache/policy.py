@@ -43,11 +43,14 @@ class Policy:
       positions: ``absolute`` (keys rotated at their absolute position before storing) or
         ``cache`` (keys stored before RoPE, rotated on read at their rank, StreamingLLM §3.2).
       flush: tokens a lazily flushing storage moves at a time (KIVI residual R), 0 = none.
+      attention_window: A > 0: queries see only the last A positions (a model's local
+        sliding-window layer), whatever else is stored; 0 = no such limit.
     """
 
     sink: int = 0
     positions: str = "absolute"
     flush: int = 0
+    attention_window: int = 0
 
     # ---- sizes (static Python ints) ------------------------------------------------------------
     token_limit = None  # most tokens a row may append (None = unbounded)
@@ -69,7 +72,10 @@ class Policy:
 
         ``q`` and ``p`` broadcast against each other, e.g. ``q[B, T, 1]`` with ``p[B, 1, S]``.
         """
-        return (q >= 0) & (p >= 0) & (p <= q) & ((p < self.sink) | (p >= self.window_start(q)))
+        mask = (q >= 0) & (p >= 0) & (p <= q) & ((p < self.sink) | (p >= self.window_start(q)))
+        if self.attention_window:
+            mask &= p > q - self.attention_window
+        return mask
 
     def rank(self, q):
         """Rank of query ``q`` in its own retained set (StreamingLLM §3.2 position in the cache).

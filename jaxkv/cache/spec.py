@@ -57,6 +57,9 @@ class CacheSpec:
       positions: ``absolute`` (keys keep RoPE of their original position) or ``cache``
         (keys stored before RoPE and rotated on read at their rank in the cache, StreamingLLM §3.2).
       scale_dtype: storage dtype of KIVI scales and zeros (arithmetic is always float32).
+      attention_window: None, or A: a query attends only to the last A positions (itself
+        included) even when more are stored: a model's local sliding-window layer
+        (Mistral, Gemma 2/3). Made by :meth:`local`.
 
     Raises:
       JaxkvError: on any value outside the accepted ranges (the message names it).
@@ -70,6 +73,7 @@ class CacheSpec:
     residual: int = 128
     positions: str = "absolute"
     scale_dtype: str = "float16"
+    attention_window: int | None = None
 
     def __post_init__(self):
         if self.kv_quantize not in KV_MODES:
@@ -85,6 +89,8 @@ class CacheSpec:
             _check_int("max_len", self.max_len, 1)
         else:
             _check_int("window", self.window, 1)
+        if self.attention_window is not None:
+            _check_int("attention_window", self.attention_window, 1)
         if self.scale_dtype not in SCALE_DTYPES:
             raise JaxkvError(f"CacheSpec.scale_dtype={self.scale_dtype!r}: expected one of {', '.join(SCALE_DTYPES)}")
         if self.quantized:
@@ -116,10 +122,33 @@ class CacheSpec:
     @functools.cached_property
     def policy(self) -> Policy:
         """The :class:`jaxkv.cache.policy.Policy`: a full cache or StreamingLLM sinks + window."""
-        common = dict(sink=self.sink, positions=self.positions, flush=self.storage.flush)
+        common = dict(sink=self.sink, positions=self.positions, flush=self.storage.flush,
+                      attention_window=self.attention_window or 0)
         if self.window is None:
             return FullCache(max_len=self.max_len, **common)
         return StreamingLLM(window=self.window, **common)
+
+    def local(self, window: int) -> "CacheSpec":
+        """This spec for a model's local attention layer over its last ``window`` tokens
+        (its trained sliding window: Mistral, Gemma 2/3, Phi-3).
+
+        The local layer keeps no sinks and a window of ``window`` tokens (fewer when this
+        spec's own window is smaller: the user's bound holds on every layer), in this spec's
+        storage and position mode, and masks attention to the last ``window`` positions
+        (a KIVI residual may hold older ones). So its retained set is exactly the model's
+        window, as the model was trained.
+
+        Raises:
+          JaxkvError: a storage the window cannot hold (e.g. a KIVI residual larger than
+            the window), naming the model's window.
+        """
+        kept = window if self.window is None else min(window, self.window)
+        if self.window is None and self.max_len is not None:
+            kept = min(kept, self.max_len)
+        try:
+            return dataclasses.replace(self, sink=0, window=kept, max_len=None, attention_window=window)
+        except JaxkvError as e:
+            raise JaxkvError(f"the model's local layers keep its sliding window of {window} tokens: {e}") from None
 
     # ---- derived sizes (all static Python ints) -------------------------------------------
     @property
@@ -170,6 +199,8 @@ class CacheSpec:
     def describe(self) -> str:
         """One-line human description, e.g. ``sink 4 + window 252, int4 (G=32, R=128), absolute``."""
         shape = f"sink {self.sink} + window {self.window}" if self.bounded else f"full {self.max_len}"
+        if self.attention_window is not None:
+            shape += f" (local attention over {self.attention_window})"
         return f"{shape}, {self.storage.describe()}, positions={self.positions}"
 
 

@@ -58,6 +58,12 @@ def _open(path: str | os.PathLike, name: str) -> gguf.GGUFReader:
     return reader
 
 
+def _dequantize(name: str, tensor: gguf.ReaderTensor) -> np.ndarray:
+    """A tensor's values as float32 numpy, in the file's numpy order."""
+    _check_type(name, tensor)
+    return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+
+
 def _check_type(name: str, tensor: gguf.ReaderTensor) -> None:
     if tensor.tensor_type not in SUPPORTED_TYPES:
         accepted = ", ".join(t.name for t in SUPPORTED_TYPES)
@@ -138,21 +144,24 @@ def load_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, np.ndarray], Toke
     shapes = {key: tuple(int(x) for x in t.shape[::-1]) for key, t in tensors.items()}  # numpy order: (out, in)
     try:
         family = registry.family_for_gguf(metadata.get("general.architecture"))
-        config = family.gguf.config(metadata, shapes, name=name)
+        fmt = family.gguf
+        extra = {key: _dequantize(name, tensors[key]) for key in fmt.extra if key in tensors}
+        config = fmt.config(metadata, shapes, name=name, extra=extra)
     except JaxkvError as e:
         raise ModelFileError(f"{name}: {e}") from None
-    fmt = family.gguf
 
-    weights, jobs, read = {}, [], set()
-    for key, shape in family.weight_shapes(config).items():
-        template = fmt.tensors[key]
+    weight_shapes = family.weight_shapes(config)
+    weights, jobs, read = {}, [], set(extra)
+    for template, keys in fmt.plan(weight_shapes):
         per_layer = "{i}" in template
-        names = [template.format(i=i) for i in range(shape[0])] if per_layer else [template]
-        one = shape[1:] if per_layer else shape  # internal [in, out] layout of one tensor
-        stacked = np.empty((len(names), *one), dtype=np.float32)
-        weights[key] = stacked if per_layer else stacked[0]
-        matrix = key in fmt.linear
-        n_heads = getattr(config, fmt.interleaved[key]) if key in fmt.interleaved else None
+        names = [template.format(i=i) for i in range(weight_shapes[keys[0]][0])] if per_layer else [template]
+        parts = [weight_shapes[k][1:] if per_layer else weight_shapes[k] for k in keys]  # internal [in, out] of one tensor
+        one = parts[0][:-1] + (sum(p[-1] for p in parts),)  # fused parts: concatenated on the output axis
+        stacks = [np.empty((len(names), *p), dtype=np.float32) for p in parts]
+        for key, stacked in zip(keys, stacks):
+            weights[key] = stacked if per_layer else stacked[0]
+        matrix = keys[0] in fmt.linear
+        n_heads = getattr(config, fmt.interleaved[keys[0]]) if keys[0] in fmt.interleaved else None
         for i, tensor_name in enumerate(names):
             tensor = tensors.get(tensor_name)
             if tensor is None:
@@ -161,7 +170,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, np.ndarray], Toke
             expected = one[::-1] if matrix else one  # the file's numpy order: (out, in)
             if shapes[tensor_name] != expected:
                 raise ModelFileError(f"{name}: tensor {tensor_name!r} has shape {shapes[tensor_name]}; expected {expected} for this config")
-            jobs.append((stacked, i, tensor, matrix, n_heads))
+            jobs.append((stacks, i, tensor, matrix, n_heads))
             read.add(tensor_name)
     unread = sorted(set(tensors) - read)
     if unread:
@@ -171,11 +180,16 @@ def load_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, np.ndarray], Toke
         )
 
     def fill(job):
-        stacked, i, tensor, matrix, n_heads = job
-        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        stacks, i, tensor, matrix, n_heads = job
+        w = _dequantize(name, tensor)
         w = w.T if matrix else w
-        stacked[i] = interleaved_to_rotate_half(w, n_heads, w.shape[-1] // n_heads) if n_heads else w
+        if n_heads:
+            w = interleaved_to_rotate_half(w, n_heads, w.shape[-1] // n_heads)
+        for stacked, piece in zip(stacks, np.split(w, np.cumsum([s.shape[-1] for s in stacks])[:-1], axis=-1)):
+            stacked[i] = piece
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         list(pool.map(fill, jobs))  # numpy releases the GIL in the heavy parts
+    if fmt.transform is not None:
+        weights = fmt.transform(config, weights)
     return config, weights, Tokenizer.from_gguf_metadata(metadata, name=name)

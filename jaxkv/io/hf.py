@@ -170,18 +170,25 @@ def load_hf_weights(folder: str, config) -> dict[str, np.ndarray]:
             )
         return (a.T if matrix else a).astype(np.float32)
 
+    shapes = family.weight_shapes(config)
     weights, read_names = {}, set()
-    for name, shape in family.weight_shapes(config).items():
-        template, matrix = fmt.tensors[name], name in fmt.linear
-        if "{i}" in template:
-            stack = np.empty(shape, np.float32)
-            for i in range(shape[0]):
-                stack[i] = read(template.format(i=i), matrix, shape[1:])
-                read_names.add(template.format(i=i))
-            weights[name] = stack
-        else:
-            weights[name] = np.ascontiguousarray(read(template, matrix, shape))
-            read_names.add(template)
+    for template, names in fmt.plan(shapes):
+        per_layer = "{i}" in template
+        parts = [shapes[n][1:] if per_layer else shapes[n] for n in names]
+        whole = parts[0][:-1] + (sum(p[-1] for p in parts),)  # fused parts: concatenated on the output axis
+        stacks = [np.empty(shapes[n], np.float32) for n in names]
+        for i in range(shapes[names[0]][0] if per_layer else 1):
+            tensor_name = template.format(i=i)
+            a = read(tensor_name, names[0] in fmt.linear, whole)
+            read_names.add(tensor_name)
+            for stack, piece in zip(stacks, np.split(a, np.cumsum([p[-1] for p in parts])[:-1], axis=-1)):
+                if per_layer:
+                    stack[i] = piece
+                else:
+                    stack[...] = piece
+        weights.update(zip(names, stacks))
+    if fmt.transform is not None:
+        weights = fmt.transform(config, weights)
     extra = sorted(n for n in where if n.endswith(".bias") and n not in read_names)
     if extra:
         raise ModelFileError(f"{folder}: tensor {extra[0]!r} is a bias {config.name}'s config does not declare")

@@ -10,10 +10,12 @@ architecture: they are Llama by definition. To add a family, write its module an
 from __future__ import annotations
 
 from jaxkv.errors import JaxkvError
-from jaxkv.models import llama
+from jaxkv.models import gemma, llama, phi3, qwen
 from jaxkv.models.family import Family
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (llama.FAMILY,)}
+FAMILIES: dict[str, Family] = {
+    family.name: family for family in (llama.FAMILY, qwen.QWEN2, qwen.QWEN3, gemma.GEMMA2, gemma.GEMMA3, phi3.PHI3)
+}
 """Every registered family, by name."""
 
 LLAMA2C: Family = FAMILIES["llama"]
@@ -24,9 +26,12 @@ DEFAULT: Family = FAMILIES["llama"]
 docs/custom_models.md) where one is needed: e.g. its weights named like Llama's are split
 for tensor parallelism, the others replicated."""
 
-_BY_CONFIG = {family.config: family for family in FAMILIES.values()}
-if len(_BY_CONFIG) != len(FAMILIES):
-    raise RuntimeError("two registered families share a config class: give each family its own")
+_BY_CONFIG = {}
+for _family in FAMILIES.values():  # families that share a config class (variants of one decoder) share its model
+    _BY_CONFIG.setdefault(_family.config, _family)
+    if (_family.model, dict(_family.head_axes), dict(_family.mlp_axes)) != (
+            _BY_CONFIG[_family.config].model, dict(_BY_CONFIG[_family.config].head_axes), dict(_BY_CONFIG[_family.config].mlp_axes)):
+        raise RuntimeError(f"families {_family.name} and {_BY_CONFIG[_family.config].name} share a config class but not its model")
 
 
 def _supported(kind: str) -> list[str]:
@@ -64,12 +69,15 @@ def family_for_gguf(architecture) -> Family:
 
 
 def family_of(config, *, default: Family | None = None) -> Family:
-    """The family whose config class ``config`` is an instance of (exactly), else ``default``.
+    """The family ``config`` was loaded as (its ``family`` field, e.g. ``"gemma2"``), else the
+    family whose config class it is an instance of (exactly), else ``default``.
 
     Raises:
       JaxkvError: a config of no registered family (named, with the registered ones) and no ``default``.
     """
-    family = _BY_CONFIG.get(type(config), default)
+    family = FAMILIES.get(getattr(config, "family", None))
+    if family is None or type(config) is not family.config:
+        family = _BY_CONFIG.get(type(config), default)
     if family is None:
         known = ", ".join(c.__name__ for c in _BY_CONFIG)
         raise JaxkvError(f"config {type(config).__name__} is of no registered model family: expected one of {known}")

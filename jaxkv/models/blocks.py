@@ -1,5 +1,5 @@
 """Building blocks shared by the model families: RMSNorm, the pre-norm residual step,
-Q/K/V projections, the SwiGLU MLP, and the RoPE layout conversion of checkpoints.
+Q/K/V projections, the gated MLP (SwiGLU, GeGLU), and the RoPE layout conversion of checkpoints.
 
 Pure functions of arrays (the weights are passed in), so a family module holds its weights
 as it likes (jaxkv's Llama stacks them on a leading L axis and scans over layers). Axis
@@ -69,16 +69,21 @@ def qkv_projection(h, wq, wk, wv, *, n_heads: int, n_kv_heads: int, head_dim: in
     return q, k, v
 
 
-def swiglu(h, w_gate, w_up, w_down):
-    """The SwiGLU MLP: ``(silu(h @ w_gate) * (h @ w_up)) @ w_down``.
+def gated_mlp(h, w_gate, w_up, w_down, activation=jax.nn.silu):
+    """The gated MLP: ``(activation(h @ w_gate) * (h @ w_up)) @ w_down`` (Shazeer 2020,
+    arXiv 2002.05202): SwiGLU with ``silu`` (Llama), GeGLU with tanh-approximated GELU (Gemma).
 
     Args:
       h: ``[B, T, D]`` normed activations.
       w_gate, w_up: ``[D, F]``; w_down: ``[F, D]``.
+      activation: the gate's elementwise activation.
     Returns:
       ``[B, T, D]``.
     """
-    return (jax.nn.silu(h @ w_gate) * (h @ w_up)) @ w_down
+    return (activation(h @ w_gate) * (h @ w_up)) @ w_down
+
+
+swiglu = gated_mlp  # the SwiGLU MLP: gated_mlp's default activation (the name of jaxkv <= 0.1)
 
 
 def interleaved_to_rotate_half(w: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:

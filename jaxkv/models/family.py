@@ -37,6 +37,13 @@ class Format:
         entries; GGUF ``general.architecture`` values).
       model_types: HF only: ``config.json`` ``model_type`` values that select it when
         ``architectures`` is absent.
+      extra: small tensors that are not weights but parameters of the config (GGUF
+        ``rope_freqs.weight``): read, when present, before the config is built.
+      fused: file tensors holding several internal weights concatenated along their output
+        axis (Phi-3's ``qkv_proj`` and ``gate_up_proj``): file template -> the internal
+        names, in order; split at load.
+      transform: ``(config, weights) -> weights`` applied after loading (e.g. Gemma's
+        Hugging Face norms stored as ``w`` for ``1 + w``).
     """
 
     config: Callable[..., Any]
@@ -45,6 +52,24 @@ class Format:
     interleaved: Mapping[str, str] = dataclasses.field(default_factory=dict)
     architectures: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+    fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    transform: Callable[[Any, dict], dict] | None = None
+
+    def plan(self, shapes: Mapping[str, tuple[int, ...]]) -> list[tuple[str, tuple[str, ...]]]:
+        """What to read for weights of these internal ``shapes``: ``[(file tensor template,
+        (internal names it holds, in order)), ...]``, one entry per tensor (or per fused
+        tensor) of the file, in the order of ``shapes``."""
+        fused_of = {name: template for template, names in self.fused.items() for name in names}
+        out, done = [], set()
+        for name in shapes:
+            if name in done:
+                continue
+            template = fused_of.get(name)
+            names = self.fused[template] if template else (name,)
+            out.append((template or self.tensors[name], names))
+            done.update(names)
+        return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

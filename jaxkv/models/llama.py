@@ -1,9 +1,15 @@
-"""The Llama family: Llama 2, SmolLM2, TinyLlama, the TinyStories llama2.c models, Mistral
-(without its sliding window) and Qwen2 (Q/K/V biases). One module holds the whole family:
-its config (:class:`LlamaConfig`, built from each checkpoint format's metadata, refusing by
-name what it does not implement), the names of its weights in each format, and the
-decoder block (:class:`Llama`, Flax NNX: RMSNorm, RoPE, GQA, SwiGLU), registered as
-:data:`FAMILY` in :mod:`jaxkv.io.registry`.
+"""The shared decoder and the Llama family.
+
+:class:`LlamaConfig` and :class:`Llama` are the one decoder every family maps its
+checkpoints onto (the way penzai's ``variants`` do): RMSNorm, RoPE (plain or scaled), GQA,
+a gated MLP, plus the switches the other families need (Q/K/V biases, per-head Q/K norms,
+post-sublayer norms, GeGLU, embedding scale, attention and final logit soft-capping, a query
+scale, local sliding-window layers with their own RoPE base). This module also holds the
+Llama family itself (Llama 2/3.x, SmolLM2, TinyLlama, the llama2.c models, Mistral): the
+names of its weights in each format and its config builders, registered as :data:`FAMILY`
+in :mod:`jaxkv.io.registry`. The other families (:mod:`jaxkv.models.qwen`,
+:mod:`jaxkv.models.gemma`, :mod:`jaxkv.models.phi3`) are small modules of config builders
+and weight names.
 
 The model never owns its KV cache: the step is the pure function
 ``(params, tokens[B, T], cache) -> (logits[B, T, V], cache)`` (:func:`jaxkv.models.step.forward`),
@@ -22,11 +28,15 @@ name                  shape                  meaning
 ``bq``                ``[L, N*H]``           query bias (only when ``attention_bias``; Qwen2)
 ``bk``                ``[L, K*H]``           key bias (rotate-half layout; only when ``attention_bias``)
 ``bv``                ``[L, K*H]``           value bias (only when ``attention_bias``)
+``q_norm``            ``[L, H]``             per-head RMSNorm of queries (only when ``qk_norm``; Qwen3, Gemma 3)
+``k_norm``            ``[L, H]``             per-head RMSNorm of keys (only when ``qk_norm``)
+``attn_post_norm``    ``[L, D]``             RMSNorm of the attention output (only when ``post_norms``; Gemma)
+``mlp_post_norm``     ``[L, D]``             RMSNorm of the MLP output (only when ``post_norms``)
 ``wo``                ``[L, N*H, D]``        attention output projection
-``mlp_norm``          ``[L, D]``             RMSNorm weight before the SwiGLU MLP
-``w_gate``            ``[L, D, F]``          SwiGLU gate (llama2.c ``w1``)
-``w_up``              ``[L, D, F]``          SwiGLU up (llama2.c ``w3``)
-``w_down``            ``[L, F, D]``          SwiGLU down (llama2.c ``w2``)
+``mlp_norm``          ``[L, D]``             RMSNorm weight before the gated MLP
+``w_gate``            ``[L, D, F]``          MLP gate (llama2.c ``w1``)
+``w_up``              ``[L, D, F]``          MLP up (llama2.c ``w3``)
+``w_down``            ``[L, F, D]``          MLP down (llama2.c ``w2``)
 ``final_norm``        ``[D]``                final RMSNorm weight
 ``lm_head``           ``[D, V]``             classifier; absent when tied to ``embed``
 ====================  =====================  =========================================
@@ -36,6 +46,9 @@ channel ``i`` pairs with channel ``i + H/2``. llama2.c and GGUF checkpoints stor
 in the interleaved-pair layout (channel ``2i`` pairs with ``2i+1``); their loaders permute
 the Q/K output channels with :func:`jaxkv.models.blocks.interleaved_to_rotate_half` at
 load time (the ``interleaved`` entries of :data:`FAMILY`).
+
+RMSNorm weights are always multiplied as they are: Gemma's ``(1 + w)`` norms get their 1
+added when its Hugging Face weights are loaded (llama.cpp's converter already stores ``1 + w``).
 """
 
 from __future__ import annotations
@@ -51,27 +64,28 @@ from jax import lax
 
 from jaxkv.cache.attention import attend
 from jaxkv.cache.kv import KVCache
+from jaxkv.cache.rope import Rope
+from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.errors import JaxkvError
-from jaxkv.models.blocks import pre_norm_residual, qkv_projection, rms_norm, swiglu
+from jaxkv.models.blocks import gated_mlp, pre_norm_residual, qkv_projection, rms_norm
 from jaxkv.models.family import Family, Format
 
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 """Hugging Face ``architectures`` that :meth:`LlamaConfig.from_hf` accepts."""
-HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 """``config.json`` ``model_type`` -> the architecture it means when ``architectures`` is absent."""
 
-_HF_UNSUPPORTED = {  # config.json attributes that change the maths -> the values that leave them as computed here
-    "partial_rotary_factor": (None, 1, 1.0),  # RoPE on part of each head only (Phi, StableLM)
-    "attn_logit_softcapping": (None,),  # Gemma 2
-    "final_logit_softcapping": (None,),  # Gemma 2
-    "query_pre_attn_scalar": (None,),  # an attention scale other than 1/sqrt(H) (Gemma)
-    "use_qk_norm": (None, False),  # norms on Q and K (Llama 4)
-}
+LAYER_KINDS = ("full_attention", "sliding_attention")
+"""Attention layer kinds (Hugging Face's ``layer_types`` names): global, or local over the
+model's ``sliding_window``."""
+MLP_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+"""Gate activations of the gated MLP: SwiGLU (Llama, Qwen, Mistral, Phi-3), GeGLU with the
+tanh approximation of GELU (Gemma)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
-    """Shape and hyper-parameters of a Llama-family decoder.
+    """Shape and hyper-parameters of the shared decoder (every family's checkpoints map onto it).
 
     Attributes:
       vocab_size: V, tokens.
@@ -80,13 +94,28 @@ class LlamaConfig:
       n_heads: N, query heads.
       n_kv_heads: K, key/value heads (GQA: ``N % K == 0``).
       head_dim: H.
-      hidden_dim: F, SwiGLU hidden width.
-      rope_theta: RoPE base (10000 for Llama 2, 100000 for SmolLM2).
+      hidden_dim: F, MLP hidden width.
+      rope_theta: RoPE base of plain RoPE (10000 for Llama 2, 100000 for SmolLM2).
       norm_eps: RMSNorm epsilon.
       max_seq_len: the context length the model was trained with, tokens.
       tie_embeddings: the classifier is ``embed.T``.
       attention_bias: the Q/K/V projections have biases ``bq``/``bk``/``bv`` (Qwen2).
       name: a human-readable identity (file name or preset).
+      family: the registered family it was loaded as (``llama``, ``qwen2``, ``gemma2``, ...).
+      rope: the global layers' :class:`~jaxkv.cache.rope.Rope` when it is not plain RoPE of
+        ``rope_theta`` (Llama 3.x ``llama3`` scaling, linear scaling, GGUF ``rope_freqs``).
+      local_rope: the local layers' Rope when it differs from the global one (Gemma 3: base 10000).
+      sliding_window: tokens a local layer attends to (the query and the ``W - 1`` before it);
+        None = no local layers.
+      layer_types: per layer ``full_attention`` or ``sliding_attention`` (Gemma 2/3); None =
+        every layer local when ``sliding_window`` is set (Mistral, Phi-3), else global.
+      qk_norm: per-head RMSNorm of queries and keys before RoPE (Qwen3, Gemma 3).
+      post_norms: RMSNorm of each sublayer's output before the residual add (Gemma 2/3).
+      mlp_activation: the MLP gate's activation, ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU).
+      embed_scale: embeddings multiplied by ``sqrt(D)`` (in the model dtype; Gemma).
+      attn_softcap: scores capped as ``c * tanh(s / c)`` (Gemma 2), None = no cap.
+      final_softcap: logits capped likewise (Gemma 2), None = no cap.
+      query_scale: the score scale, None = ``1/sqrt(H)`` (Gemma: ``query_pre_attn_scalar**-0.5``).
     """
 
     vocab_size: int
@@ -102,6 +131,18 @@ class LlamaConfig:
     tie_embeddings: bool = True
     attention_bias: bool = False
     name: str = "llama"
+    family: str = "llama"
+    rope: Rope | None = None
+    local_rope: Rope | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    qk_norm: bool = False
+    post_norms: bool = False
+    mlp_activation: str = "silu"
+    embed_scale: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_scale: float | None = None
 
     def __post_init__(self):
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "max_seq_len"):
@@ -116,6 +157,52 @@ class LlamaConfig:
             raise JaxkvError(f"LlamaConfig.head_dim={self.head_dim}: RoPE needs an even head dim")
         if not self.rope_theta > 0:
             raise JaxkvError(f"LlamaConfig.rope_theta={self.rope_theta!r}: expected a positive number")
+        for field in ("rope", "local_rope"):
+            rope = getattr(self, field)
+            if rope is not None and (not isinstance(rope, Rope) or rope.head_dim != self.head_dim):
+                raise JaxkvError(f"LlamaConfig.{field}={rope!r}: expected a Rope for head dim {self.head_dim}")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise JaxkvError(f"LlamaConfig.sliding_window={self.sliding_window!r}: expected a positive integer or None")
+        if self.layer_types is not None:
+            if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.n_layers or not set(self.layer_types) <= set(LAYER_KINDS):
+                raise JaxkvError(f"LlamaConfig.layer_types={self.layer_types!r}: expected a tuple of {self.n_layers} of {', '.join(LAYER_KINDS)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise JaxkvError("LlamaConfig.layer_types has sliding_attention layers but sliding_window is None")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise JaxkvError(f"LlamaConfig.mlp_activation={self.mlp_activation!r}: expected one of {', '.join(MLP_ACTIVATIONS)}")
+        for field in ("attn_softcap", "final_softcap", "query_scale"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise JaxkvError(f"LlamaConfig.{field}={value!r}: expected a positive number or None")
+
+    # ---- per-layer attention ---------------------------------------------------------------------
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Per layer ``full_attention`` (global) or ``sliding_attention`` (local over ``sliding_window``)."""
+        if self.layer_types is not None:
+            return self.layer_types
+        return ("sliding_attention" if self.sliding_window else "full_attention",) * self.n_layers
+
+    def rope_for(self, kind: str) -> Rope:
+        """The :class:`~jaxkv.cache.rope.Rope` of a layer of kind ``kind`` (see :attr:`layer_kinds`)."""
+        if kind == "sliding_attention" and self.local_rope is not None:
+            return self.local_rope
+        return self.rope if self.rope is not None else Rope.default(self.rope_theta, self.head_dim)
+
+    def cache_spec(self, spec: CacheSpec) -> CacheSpec | LayerSpecs:
+        """The cache this model needs for the user's ``spec``: ``spec`` itself when every layer
+        is global; else :class:`~jaxkv.cache.spec.LayerSpecs` where each local layer keeps
+        its own window (:meth:`CacheSpec.local`, with the user's storage) and the global
+        layers keep what ``spec`` says.
+
+        Raises:
+          JaxkvError: a storage the local window cannot hold (see :meth:`CacheSpec.local`).
+        """
+        if isinstance(spec, LayerSpecs) or "sliding_attention" not in self.layer_kinds:
+            return spec
+        local = spec.local(self.sliding_window)
+        specs = tuple(local if kind == "sliding_attention" else spec for kind in self.layer_kinds)
+        return LayerSpecs(specs) if len(set(specs)) > 1 else specs[0]
 
     @classmethod
     def from_llama2c(cls, header, *, name: str = "llama2c") -> "LlamaConfig":
@@ -141,141 +228,41 @@ class LlamaConfig:
         )
 
     @classmethod
-    def from_gguf(cls, metadata: dict, *, tie_embeddings: bool, vocab_size: int | None = None, name: str = "gguf") -> "LlamaConfig":
-        """Config from GGUF ``llama.*`` metadata (a plain ``{key: value}`` dict).
+    def from_gguf(cls, metadata: dict, *, tie_embeddings: bool, vocab_size: int | None = None, name: str = "gguf",
+                  extra: dict | None = None) -> "LlamaConfig":
+        """Config from GGUF ``llama.*`` metadata (a plain ``{key: value}`` dict): Llama 2/3.x,
+        SmolLM2, TinyLlama, Mistral (llama.cpp writes them all as ``llama``).
 
         Args:
           metadata: the file's metadata, ``general.architecture`` == ``"llama"``.
           tie_embeddings: the file has no classifier (``output.weight``).
           vocab_size: V when the metadata lacks ``llama.vocab_size`` (the embedding's rows).
           name: the config's name.
+          extra: the file's ``rope_freqs.weight`` (Llama 3.x scaling) as a float32 array, if any.
         Raises:
-          JaxkvError: another architecture, a missing size, or a key that would change the
-            maths this family computes (named with its value): ``llama.expert_count`` > 0
-            (mixture of experts), ``llama.rope.scaling.type`` other than ``none``,
-            ``llama.rope.scale_linear`` != 1, ``llama.rope.dimension_count`` or
-            ``llama.attention.value_length`` other than the head dim.
+          JaxkvError: see :func:`gguf_config`.
         """
-        arch = metadata.get("general.architecture")
-        if arch != "llama":
-            raise JaxkvError(f"GGUF architecture {arch!r} is not supported: expected 'llama'")
-
-        def get(key, default=None):
-            value = metadata.get(f"llama.{key}", default)
-            if value is None:
-                raise JaxkvError(f"GGUF metadata lacks 'llama.{key}'")
-            return value
-
-        dim = int(get("embedding_length"))
-        n_heads = int(get("attention.head_count"))
-        head_dim = int(metadata.get("llama.attention.key_length", dim // n_heads))
-        neutral = {  # llama.* keys that change the maths -> the value that leaves it as computed here
-            "expert_count": 0,  # a mixture of experts (Mixtral)
-            "rope.scaling.type": "none",
-            "rope.scale_linear": 1,
-            "rope.dimension_count": head_dim,  # RoPE on part of each head only
-            "attention.value_length": head_dim,
-        }
-        for key, expected in neutral.items():
-            value = metadata.get(f"llama.{key}", expected)
-            if value != expected:
-                raise JaxkvError(f"GGUF metadata llama.{key}={value!r} is not supported: expected {expected!r} (it changes the outputs)")
-        return cls(
-            vocab_size=int(get("vocab_size", vocab_size)),
-            dim=dim,
-            n_layers=int(get("block_count")),
-            n_heads=n_heads,
-            n_kv_heads=int(get("attention.head_count_kv", n_heads)),
-            head_dim=head_dim,
-            hidden_dim=int(get("feed_forward_length")),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            max_seq_len=int(get("context_length", 2048)),
-            tie_embeddings=tie_embeddings,
-            name=name,
-        )
+        return gguf_config(metadata, arch="llama", family="llama", tie_embeddings=tie_embeddings,
+                           vocab_size=vocab_size, name=name, extra=extra,
+                           sliding_window=metadata.get("llama.attention.sliding_window"))
 
     @classmethod
     def from_hf(cls, hf: dict, *, name: str = "hf") -> "LlamaConfig":
-        """Config from a Hugging Face ``config.json`` (a plain dict).
+        """Config from a Hugging Face ``config.json`` (a plain dict) of the Llama family.
 
-        Supported: ``LlamaForCausalLM`` (Llama, SmolLM2, TinyLlama), ``MistralForCausalLM``
-        and ``Qwen2ForCausalLM`` (Q/K/V biases), with SiLU MLPs and plain RoPE
-        (``rope_scaling`` absent, null or of type ``default``). Read: ``hidden_size``,
-        ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
-        ``num_key_value_heads`` (default: the query heads), ``head_dim`` (default:
-        hidden_size / heads), ``vocab_size``, ``rope_theta`` (or ``rope_parameters``;
-        default 10000), ``rms_norm_eps`` (default 1e-6), ``max_position_embeddings``
-        (default 2048), ``tie_word_embeddings`` (default False). Mistral's
-        ``sliding_window`` is not applied (logits are exact up to that many tokens; use a
-        StreamingLLM cache for a bounded window).
+        Supported: ``LlamaForCausalLM`` (Llama 2/3.x, SmolLM2, TinyLlama; ``rope_scaling``
+        default, ``linear`` or ``llama3``) and ``MistralForCausalLM`` (its
+        ``sliding_window`` on every layer). See :func:`hf_config` for what is read.
 
         Raises:
-          JaxkvError: an unsupported architecture, activation, RoPE scaling, bias or
-            sliding-window layout, or a missing/invalid size (each named); an attribute
-            that would change the maths this family computes, named with its value:
-            ``partial_rotary_factor`` (also inside ``rope_parameters``) other than 1,
-            ``attn_logit_softcapping``, ``final_logit_softcapping`` or
-            ``query_pre_attn_scalar`` set, ``use_qk_norm`` true, ``layer_types`` other than
-            all ``full_attention``.
+          JaxkvError: an unsupported architecture, or anything :func:`hf_config` refuses.
         """
-        archs = hf.get("architectures") or []
-        model_type = hf.get("model_type")
-        arch = archs[0] if archs else HF_MODEL_TYPES.get(model_type)
-        if len(archs) > 1 or arch not in HF_ARCHITECTURES:
-            found = ", ".join(archs) if archs else f"model_type {model_type!r}"
-            raise JaxkvError(f"architecture {found} is not supported: expected one of {', '.join(HF_ARCHITECTURES)}")
-
-        def need(key):
-            value = hf.get(key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise JaxkvError(f"{arch} config: {key}={value!r}, expected a positive integer")
-            return value
-
-        act = hf.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise JaxkvError(f"{arch} config: hidden_act={act!r} is not supported: expected 'silu'")
-        rope = hf.get("rope_parameters") or {}
-        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind != "default":
-                raise JaxkvError(f"{arch} config: rope_scaling of type {kind!r} is not supported (only plain RoPE)")
-        for key, neutral in _HF_UNSUPPORTED.items():
-            value = hf.get(key, rope.get(key))
-            if value not in neutral:
-                raise JaxkvError(f"{arch} config: {key}={value!r} is not supported: expected {' or '.join(map(repr, neutral))}")
-        kinds = hf.get("layer_types") or ["full_attention"]
-        if set(kinds) != {"full_attention"}:
-            other = next(k for k in kinds if k != "full_attention")
-            raise JaxkvError(f"{arch} config: layer_types with {other!r} is not supported: expected only 'full_attention' layers")
-        if arch == "Qwen2ForCausalLM":
-            bias = True  # Qwen2 always has Q/K/V biases (and none on the output projection)
-            if hf.get("use_sliding_window"):
-                raise JaxkvError(f"{arch} config: use_sliding_window=true is not supported")
-        else:
-            if hf.get("attention_bias") or hf.get("mlp_bias"):
-                which = "attention_bias" if hf.get("attention_bias") else "mlp_bias"
-                raise JaxkvError(f"{arch} config: {which}=true is not supported (biases on the output/MLP projections)")
-            bias = False
-        dim, n_heads = need("hidden_size"), need("num_attention_heads")
-        head_dim = hf.get("head_dim") or (dim // n_heads)
-        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-        return cls(
-            vocab_size=need("vocab_size"),
-            dim=dim,
-            n_layers=need("num_hidden_layers"),
-            n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            head_dim=head_dim,
-            hidden_dim=need("intermediate_size"),
-            rope_theta=float(theta if theta is not None else 10000.0),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_seq_len=int(hf.get("max_position_embeddings") or 2048),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bias,
-            name=name,
-        )
+        arch = hf_architecture(hf, HF_ARCHITECTURES, HF_MODEL_TYPES)
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            which = "attention_bias" if hf.get("attention_bias") else "mlp_bias"
+            raise JaxkvError(f"{arch} config: {which}=true is not supported (biases on the projections)")
+        window = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
+        return hf_config(hf, arch=arch, family="llama", name=name, sliding_window=window)
 
     @classmethod
     def from_preset(cls, name: str) -> "LlamaConfig":
@@ -355,22 +342,31 @@ LINEAR = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head
 INTERLEAVED = {"wq": "n_heads", "wk": "n_kv_heads"}
 """Q/K projections, which llama2.c and GGUF files store in the interleaved-pair RoPE layout."""
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
-BIAS_WEIGHTS = ("bq", "bk", "bv")  # present only when config.attention_bias (Qwen2)
+OPTIONAL_LAYER_WEIGHTS = {  # per-layer weights a config switch adds -> that switch
+    "bq": "attention_bias", "bk": "attention_bias", "bv": "attention_bias",
+    "q_norm": "qk_norm", "k_norm": "qk_norm",
+    "attn_post_norm": "post_norms", "mlp_post_norm": "post_norms",
+}
+
+
+def layer_weight_names(config: LlamaConfig) -> tuple[str, ...]:
+    """The per-layer weights (stacked on L) of ``config``: :data:`LAYER_WEIGHTS` plus those its switches add."""
+    return LAYER_WEIGHTS + tuple(n for n, switch in OPTIONAL_LAYER_WEIGHTS.items() if getattr(config, switch))
 
 
 def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Expected shape of every weight of the internal layout (see the module docstring):
-    name -> shape, per-layer weights with a leading L; ``lm_head`` only when untied,
-    ``bq``/``bk``/``bv`` only with ``attention_bias``."""
+    name -> shape, per-layer weights with a leading L; ``lm_head`` only when untied, the
+    optional weights only when their switch is on."""
     c = config
-    L, D, F, V = c.n_layers, c.dim, c.hidden_dim, c.vocab_size
+    L, D, F, V, H = c.n_layers, c.dim, c.hidden_dim, c.vocab_size, c.head_dim
     shapes = {
         "embed": (V, D),
         "attn_norm": (L, D),
-        "wq": (L, D, c.n_heads * c.head_dim),
-        "wk": (L, D, c.n_kv_heads * c.head_dim),
-        "wv": (L, D, c.n_kv_heads * c.head_dim),
-        "wo": (L, c.n_heads * c.head_dim, D),
+        "wq": (L, D, c.n_heads * H),
+        "wk": (L, D, c.n_kv_heads * H),
+        "wv": (L, D, c.n_kv_heads * H),
+        "wo": (L, c.n_heads * H, D),
         "mlp_norm": (L, D),
         "w_gate": (L, D, F),
         "w_up": (L, D, F),
@@ -379,15 +375,21 @@ def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     }
     if not c.tie_embeddings:
         shapes["lm_head"] = (D, V)
-    if c.attention_bias:  # last, so the random init of the other weights does not depend on it
-        shapes.update(bq=(L, c.n_heads * c.head_dim), bk=(L, c.n_kv_heads * c.head_dim), bv=(L, c.n_kv_heads * c.head_dim))
+    # optional weights last, so the random init of the others does not depend on them
+    if c.attention_bias:
+        shapes.update(bq=(L, c.n_heads * H), bk=(L, c.n_kv_heads * H), bv=(L, c.n_kv_heads * H))
+    if c.qk_norm:
+        shapes.update(q_norm=(L, H), k_norm=(L, H))
+    if c.post_norms:
+        shapes.update(attn_post_norm=(L, D), mlp_post_norm=(L, D))
     return shapes
 
 
 class Llama(nnx.Module):
-    """A Llama-family decoder whose per-layer weights (names and shapes: :func:`weight_shapes`)
-    are stacked on a leading L axis; each layer is two pre-norm residual steps (GQA
-    attention through the cache, SwiGLU MLP) of :mod:`jaxkv.models.blocks`.
+    """The shared decoder: per-layer weights (names and shapes: :func:`weight_shapes`) stacked
+    on a leading L axis; each layer is two pre-norm residual steps (GQA attention through
+    the cache, gated MLP) of :mod:`jaxkv.models.blocks`, with the switches of
+    :class:`LlamaConfig` (Q/K norms, post norms, soft-capping, local layers).
 
     Build it from checkpoint weights with :meth:`from_weights`, or randomly (tests,
     benchmarks) with ``Llama(config, rngs=nnx.Rngs(seed))``.
@@ -399,7 +401,7 @@ class Llama(nnx.Module):
         for i, (name, shape) in enumerate(weight_shapes(config).items()):
             if name.endswith("norm"):
                 value = jnp.ones(shape, dtype)
-            elif name in BIAS_WEIGHTS:
+            elif name in ("bq", "bk", "bv"):
                 value = (0.1 * jax.random.normal(jax.random.fold_in(key, i), shape)).astype(dtype)
             else:
                 fan_in = shape[-2]
@@ -431,8 +433,17 @@ class Llama(nnx.Module):
         b, t = tokens.shape
         cache, step = cache.begin(n, t)
         x = jnp.take(self.embed[...], tokens, axis=0)
+        if c.embed_scale:
+            x = x * jnp.asarray(c.dim**0.5, x.dtype)
+        activation = MLP_ACTIVATIONS[c.mlp_activation]
 
-        def layer(step, x, xs):
+        def sublayer(x, w, norm, post_norm, fn):
+            if not c.post_norms:
+                return pre_norm_residual(x, w[norm], c.norm_eps, fn)
+            y, aux = fn(rms_norm(x, w[norm], c.norm_eps))
+            return x + rms_norm(y, w[post_norm], c.norm_eps), aux
+
+        def layer(step, rope, x, xs):
             w, kv = xs
 
             def attention(h):
@@ -440,24 +451,30 @@ class Llama(nnx.Module):
                 q, k, v = qkv_projection(
                     h, w["wq"], w["wk"], w["wv"], n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, bias=bias
                 )
+                if c.qk_norm:
+                    q, k = rms_norm(q, w["q_norm"], c.norm_eps), rms_norm(k, w["k_norm"], c.norm_eps)
                 if kv_hook is not None:
                     k, v = kv_hook(k, v)
-                out, k_store, v_store = attend(step, kv, q, k, v, theta=c.rope_theta)
+                out, k_store, v_store = attend(step, kv, q, k, v, rope=rope, scale=c.query_scale, softcap=c.attn_softcap)
                 return out.reshape(b, t, c.n_heads * c.head_dim) @ w["wo"], (k_store, v_store)
 
             def mlp(h):
-                return swiglu(h, w["w_gate"], w["w_up"], w["w_down"]), None
+                return gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], activation), None
 
-            x, stored = pre_norm_residual(x, w["attn_norm"], c.norm_eps, attention)
-            x, _ = pre_norm_residual(x, w["mlp_norm"], c.norm_eps, mlp)
+            x, stored = sublayer(x, w, "attn_norm", "attn_post_norm", attention)
+            x, _ = sublayer(x, w, "mlp_norm", "mlp_post_norm", mlp)
             return x, stored
 
-        names = LAYER_WEIGHTS + (BIAS_WEIGHTS if c.attention_bias else ())
-        weights = {name: getattr(self, name)[...] for name in names}
+        weights = {name: getattr(self, name)[...] for name in layer_weight_names(c)}
+        kinds = c.layer_kinds
         k_new, v_new = [], []
         for first, end, run_step, run_layers in cache.runs(step):  # one run unless per-layer specs
+            if len(set(kinds[first:end])) != 1:
+                raise JaxkvError(f"{c.name}: layers {first}-{end - 1} mix local and global attention in one cache run: "
+                                 f"build the cache with config.cache_spec(spec)")
             run_weights = weights if (first, end) == (0, c.n_layers) else jax.tree.map(lambda a: a[first:end], weights)
-            x, (k_run, v_run) = lax.scan(functools.partial(layer, run_step), x, (run_weights, run_layers))
+            body = functools.partial(layer, run_step, c.rope_for(kinds[first]))
+            x, (k_run, v_run) = lax.scan(body, x, (run_weights, run_layers))
             k_new.append(k_run)
             v_new.append(v_run)
         cache = cache.commit(step, jnp.concatenate(k_new), jnp.concatenate(v_new))
@@ -467,17 +484,229 @@ class Llama(nnx.Module):
         x = rms_norm(x, self.final_norm[...], c.norm_eps)
         head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
         logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        if c.final_softcap is not None:
+            logits = c.final_softcap * jnp.tanh(logits / c.final_softcap)
         return logits, cache
 
 
-def _config_from_gguf(metadata: dict, shapes: dict, *, name: str) -> LlamaConfig:
-    """:meth:`LlamaConfig.from_gguf`, tied when the file has no classifier and with the
-    vocabulary size of the embedding when the metadata lacks it (``shapes``: tensor name ->
-    shape in numpy order)."""
-    embed = shapes.get(GGUF_TENSORS["embed"])
-    return LlamaConfig.from_gguf(
-        metadata, tie_embeddings=GGUF_TENSORS["lm_head"] not in shapes, vocab_size=embed[0] if embed else None, name=name
+# ---- config builders shared by every family's formats ----------------------------------------------
+_HF_UNSUPPORTED = {  # config.json attributes that change the maths -> the values that leave them as computed here
+    "attn_logit_softcapping": (None,),  # Gemma 2 (read by its family)
+    "final_logit_softcapping": (None,),  # Gemma 2
+    "query_pre_attn_scalar": (None,),  # an attention scale other than 1/sqrt(H) (Gemma)
+    "use_qk_norm": (None, False),  # norms on Q and K (Llama 4)
+    "use_sliding_window": (None, False),  # Qwen2's optional window on some layers
+}
+_HF_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def hf_architecture(hf: dict, architectures: tuple, model_types: dict) -> str:
+    """The one ``architectures`` entry of a ``config.json`` (or its ``model_type``'s), checked
+    against a family's list.
+
+    Raises:
+      JaxkvError: several architectures, or one not in ``architectures`` (both named).
+    """
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    arch = archs[0] if archs else model_types.get(model_type)
+    if len(archs) > 1 or arch not in architectures:
+        found = ", ".join(map(str, archs)) if archs else f"model_type {model_type!r}"
+        raise JaxkvError(f"architecture {found} is not supported: expected one of {', '.join(architectures)}")
+    return arch
+
+
+def hf_rope(hf: dict, arch: str, head_dim: int, kind: str = "full_attention") -> Rope:
+    """The :class:`Rope` of one layer kind from a ``config.json``: transformers 5's
+    ``rope_parameters`` (flat, or one entry per layer kind as Gemma 3 writes it), else the
+    older ``rope_theta`` + ``rope_scaling`` (+ Gemma 3's ``rope_local_base_freq`` for local
+    layers). Types ``default``, ``linear`` and ``llama3``.
+
+    Raises:
+      JaxkvError: another RoPE type (``dynamic``, ``yarn``, ``longrope``, ...) or a
+        ``partial_rotary_factor`` other than 1, named with the accepted values.
+    """
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(kind), dict):
+        params = params[kind]
+    elif not isinstance(params, dict):
+        params = dict(hf.get("rope_scaling") or {})
+        if kind == "sliding_attention" and hf.get("rope_local_base_freq") is not None:
+            params = {"rope_theta": hf["rope_local_base_freq"]}  # Gemma 3: local layers unscaled
+        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = float(params.get("rope_theta") or 10000.0)
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise JaxkvError(f"{arch} config: partial_rotary_factor={partial!r} is not supported: expected 1 (RoPE on whole heads)")
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type == "default":
+        return Rope.default(theta, head_dim)
+    if rope_type == "linear":
+        return Rope.linear(theta, head_dim, params.get("factor"))
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return Rope.llama3(theta, head_dim, **{k: params.get(k) for k in keys})
+    raise JaxkvError(f"{arch} config: rope_scaling of type {rope_type!r} is not supported: expected one of "
+                     f"{', '.join(_HF_ROPE_TYPES)}")
+
+
+def _theta(hf: dict) -> float:
+    """The global layers' RoPE base of a ``config.json`` (``rope_parameters`` or ``rope_theta``)."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    if isinstance(params, dict) and params.get("rope_theta"):
+        return float(params["rope_theta"])
+    return float(hf.get("rope_theta") or 10000.0)
+
+
+def hf_config(hf: dict, *, arch: str, family: str, name: str, unsupported: dict | None = None,
+              activations=("silu", "swish"), **switches) -> LlamaConfig:
+    """A :class:`LlamaConfig` from a ``config.json``, for any family.
+
+    Reads ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+    ``num_attention_heads``, ``num_key_value_heads`` (default: the query heads),
+    ``head_dim`` (default: hidden_size / heads), ``vocab_size``, the RoPE (:func:`hf_rope`,
+    per layer kind), ``rms_norm_eps`` (default 1e-6), ``max_position_embeddings`` (default
+    2048), ``tie_word_embeddings`` (default False), ``hidden_act``/``hidden_activation``.
+
+    Args:
+      hf: the ``config.json``; arch: its architecture (for messages); family: the family's name.
+      unsupported: attribute -> the values this family computes as (default: those of
+        plain Llama: no soft-capping, no query scale, no Q/K norm, no Qwen2 window); any
+        other value is refused by name.
+      activations: the ``hidden_act`` values the family's MLP computes (mapped to
+        :data:`MLP_ACTIVATIONS`).
+      switches: the family's own :class:`LlamaConfig` fields (e.g. ``qk_norm=True``).
+    Raises:
+      JaxkvError: a missing or invalid size, an unsupported activation or RoPE, or an
+        attribute named in ``unsupported`` with another value (named, with the accepted ones).
+    """
+    def need(key):
+        value = hf.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise JaxkvError(f"{arch} config: {key}={value!r}, expected a positive integer")
+        return value
+
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or activations[0]
+    if act not in activations:
+        raise JaxkvError(f"{arch} config: hidden_act={act!r} is not supported: expected {' or '.join(map(repr, activations))}")
+    for key, neutral in (_HF_UNSUPPORTED if unsupported is None else unsupported).items():
+        if hf.get(key) not in neutral:
+            raise JaxkvError(f"{arch} config: {key}={hf.get(key)!r} is not supported: expected {' or '.join(map(repr, neutral))}")
+    dim, n_heads, n_layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
+    head_dim = hf.get("head_dim") or (dim // n_heads)
+    kinds = switches.pop("layer_types", None)
+    if kinds is None and hf.get("layer_types") and set(hf["layer_types"]) != {"full_attention"}:
+        other = next(k for k in hf["layer_types"] if k != "full_attention")
+        raise JaxkvError(f"{arch} config: layer_types with {other!r} is not supported: expected only 'full_attention' layers")
+    rope = hf_rope(hf, arch, head_dim)
+    local = hf_rope(hf, arch, head_dim, "sliding_attention") if kinds and "sliding_attention" in kinds else None
+    theta = _theta(hf)
+    return LlamaConfig(
+        vocab_size=need("vocab_size"),
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
+        hidden_dim=need("intermediate_size"),
+        rope_theta=theta,
+        rope=None if rope == Rope.default(theta, head_dim) else rope,
+        local_rope=None if local is None or local == rope else local,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_seq_len=int(hf.get("max_position_embeddings") or 2048),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        mlp_activation="gelu_tanh" if act.startswith("gelu") else "silu",
+        layer_types=tuple(kinds) if kinds else None,
+        name=name,
+        family=family,
+        **switches,
     )
+def gguf_config(metadata: dict, *, arch: str, family: str, tie_embeddings: bool, vocab_size: int | None, name: str,
+                extra: dict | None = None, neutral: dict | None = None, **switches) -> LlamaConfig:
+    """A :class:`LlamaConfig` from the ``{arch}.*`` keys of a GGUF file's metadata, for any family.
+
+    Reads ``embedding_length``, ``block_count``, ``attention.head_count``,
+    ``attention.head_count_kv``, ``attention.key_length``, ``feed_forward_length``,
+    ``vocab_size``, ``rope.freq_base``, ``rope.scaling.type``/``rope.scaling.factor``
+    (``none``/``linear``), the ``rope_freqs`` tensor (llama.cpp's form of Llama 3.x
+    scaling, through ``read``), ``attention.layer_norm_rms_epsilon``, ``context_length``.
+
+    Args:
+      metadata: the file's metadata (``general.architecture == arch``).
+      arch: the key prefix; family: the family's name; name: the config's name.
+      tie_embeddings, vocab_size: as :meth:`LlamaConfig.from_gguf`.
+      extra: the file's small non-weight tensors (:attr:`Format.extra`) as float32 arrays.
+      neutral: more ``{arch}.*`` keys that would change the maths -> the value computed here.
+      switches: the family's own :class:`LlamaConfig` fields.
+    Raises:
+      JaxkvError: another architecture, a missing size, or a key that would change the maths
+        this family computes (named with its value): ``expert_count`` > 0 (mixture of
+        experts), ``rope.scaling.type`` other than ``none``/``linear``,
+        ``rope.dimension_count`` or ``attention.value_length`` other than the head dim.
+    """
+    if metadata.get("general.architecture") != arch:
+        raise JaxkvError(f"GGUF architecture {metadata.get('general.architecture')!r} is not supported here: expected {arch!r}")
+
+    def get(key, default=None):
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise JaxkvError(f"GGUF metadata lacks '{arch}.{key}'")
+        return value
+
+    dim = int(get("embedding_length"))
+    n_heads = int(get("attention.head_count"))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", dim // n_heads))
+    checks = {  # keys that change the maths -> the value that leaves it as computed here
+        "expert_count": 0,  # a mixture of experts (Mixtral)
+        "rope.dimension_count": head_dim,  # RoPE on part of each head only
+        "attention.value_length": head_dim,
+        **(neutral or {}),
+    }
+    for key, expected in checks.items():
+        value = metadata.get(f"{arch}.{key}", expected)
+        if value != expected:
+            raise JaxkvError(f"GGUF metadata {arch}.{key}={value!r} is not supported: expected {expected!r} (it changes the outputs)")
+    theta = float(get("rope.freq_base", 10000.0))
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    factor = float(metadata.get(f"{arch}.rope.scaling.factor", metadata.get(f"{arch}.rope.scale_linear", 1.0)) or 1.0)
+    if scaling not in ("none", "linear"):
+        raise JaxkvError(f"GGUF metadata {arch}.rope.scaling.type={scaling!r} is not supported: expected 'none' or 'linear'")
+    rope = None
+    if extra and "rope_freqs.weight" in extra:
+        rope = Rope.with_factors(theta, head_dim, extra["rope_freqs.weight"])
+    elif factor != 1.0:
+        rope = Rope.linear(theta, head_dim, factor)
+    return LlamaConfig(
+        vocab_size=int(get("vocab_size", vocab_size)),
+        dim=dim,
+        n_layers=int(get("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        hidden_dim=int(get("feed_forward_length")),
+        rope_theta=theta,
+        rope=rope,
+        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_seq_len=int(get("context_length", 2048)),
+        tie_embeddings=tie_embeddings,
+        name=name,
+        family=family,
+        **switches,
+    )
+
+
+def gguf_builder(build):
+    """A GGUF :attr:`Format.config` from ``build(metadata, *, tie_embeddings, vocab_size, name, extra)``:
+    tied when the file has no ``output.weight``, V from ``token_embd.weight`` when the
+    metadata lacks it (``shapes``: tensor name -> shape in numpy order)."""
+    def config(metadata: dict, shapes: dict, *, name: str, extra: dict | None = None):
+        embed = shapes.get("token_embd.weight")
+        return build(metadata, tie_embeddings="output.weight" not in shapes,
+                     vocab_size=embed[0] if embed else None, name=name, extra=extra)
+    return config
+
 
 
 FAMILY = Family(
@@ -494,7 +723,7 @@ FAMILY = Family(
         architectures=HF_ARCHITECTURES,
         model_types=tuple(HF_MODEL_TYPES),
     ),
-    gguf=Format(config=_config_from_gguf, tensors=GGUF_TENSORS, linear=LINEAR, interleaved=INTERLEAVED, architectures=("llama",)),
+    gguf=Format(config=gguf_builder(LlamaConfig.from_gguf), tensors=GGUF_TENSORS, extra=("rope_freqs.weight",), linear=LINEAR, interleaved=INTERLEAVED, architectures=("llama",)),
     llama2c=Format(config=LlamaConfig.from_llama2c, tensors=LLAMA2C_TENSORS, linear=LINEAR, interleaved=INTERLEAVED),
 )
 """The Llama family, as :mod:`jaxkv.io.registry` registers it."""
