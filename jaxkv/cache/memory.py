@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from jaxkv.cache.kv import KVCache
@@ -31,6 +32,9 @@ class MemoryReport:
       tokens_stored: int per row, tokens the cache holds now.
       tokens_seen: int per row, tokens ever appended (prompt plus fed generated tokens).
       capacity: token slots per row (sinks + window/residual + quantised ring).
+      by_spec: ``((spec description, layers, allocated bytes), ...)``, one entry per distinct
+        layer cache (more than one for per-layer specs, e.g. a model's local sliding-window
+        layers beside its global ones).
     """
 
     allocated: dict
@@ -38,6 +42,7 @@ class MemoryReport:
     tokens_stored: tuple
     tokens_seen: tuple
     capacity: int
+    by_spec: tuple = ()
 
     @property
     def allocated_bytes(self) -> int:
@@ -53,7 +58,10 @@ class MemoryReport:
         The per-group figures in parentheses are allocated bytes.
         """
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.allocated.items() if v)
-        return f"cache {format_bytes(self.allocated_bytes)} allocated, {format_bytes(self.live_bytes)} live ({parts})"
+        line = f"cache {format_bytes(self.allocated_bytes)} allocated, {format_bytes(self.live_bytes)} live ({parts})"
+        if len(self.by_spec) > 1:
+            line += "; " + "; ".join(f"{n} layers of {desc}: {format_bytes(b)}" for desc, n, b in self.by_spec)
+        return line
 
 
 def memory_report(cache: KVCache | LayeredCache) -> MemoryReport:
@@ -75,7 +83,10 @@ def memory_report(cache: KVCache | LayeredCache) -> MemoryReport:
         live[group] += int(round(nbytes * filled))
 
     book = 0
+    by_spec = {}
     for part in getattr(cache, "groups", (cache,)):  # a LayeredCache: every run of layers
+        layers, nbytes = by_spec.get(part.spec.describe(), (0, 0))
+        by_spec[part.spec.describe()] = (layers + part.ring_k.shape[0], nbytes + sum(int(x.nbytes) for x in jax.tree.leaves(part)))
         if part.sink_k is not None:
             add("sinks", [part.sink_k, part.sink_v], part.sink_pos)
         add(part.storage.ring_group or part.policy.ring_group, [part.ring_k, part.ring_v], part.ring_pos)
@@ -90,4 +101,5 @@ def memory_report(cache: KVCache | LayeredCache) -> MemoryReport:
         tokens_stored=tuple(int(x) for x in np.asarray(cache.stored())),
         tokens_seen=tuple(int(x) for x in np.asarray(cache.length)),
         capacity=cache.spec.capacity,
+        by_spec=tuple((desc, n, b) for desc, (n, b) in by_spec.items()),
     )

@@ -114,7 +114,7 @@ class Rope:
         factors = np.asarray(factors, np.float64).reshape(-1)
         if factors.shape != (head_dim // 2,) or not np.all(np.isfinite(factors) & (factors > 0)):
             raise JaxkvError(f"rope_freqs: expected {head_dim // 2} positive finite factors, got shape {factors.shape}")
-        return cls(tuple(f / s for f, s in zip(cls.default(theta, head_dim).inv_freq, factors)), "factors")
+        return cls(tuple(float(f / s) for f, s in zip(cls.default(theta, head_dim).inv_freq, factors)), "factors")
 
     def _phase_tables(self) -> np.ndarray:
         """int32[6, H/2]: the phase of ``256 * 16**i`` tokens at each frequency, in 2**-24 turns."""

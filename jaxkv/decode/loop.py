@@ -47,13 +47,20 @@ _RUNNING, _EOS, _LENGTH, _CACHE_FULL = range(4)
 def new_cache(config, spec: CacheSpec, batch: int, *, mesh=None) -> KVCache:
     """An empty cache of ``batch`` rows for a model's ``config`` (layers L, KV heads K, head dim H).
 
+    A model with local sliding-window layers (Mistral, Gemma 2/3, Phi-3) gets the per-layer
+    cache its config asks for (:meth:`~jaxkv.LlamaConfig.cache_spec`): local layers keep their
+    trained window, the others what ``spec`` says.
+
     Args:
-      config: the model's config (a :class:`~jaxkv.LlamaConfig`: ``n_layers``, ``n_kv_heads``, ``head_dim``).
+      config: the model's config (a :class:`~jaxkv.LlamaConfig`: ``n_layers``, ``n_kv_heads``,
+        ``head_dim``; ``cache_spec`` when it has one).
       spec: the cache spec. batch: B rows.
       mesh: a :func:`jaxkv.decode.parallel.make_mesh` mesh: the cache is born sharded on it (None = one device).
     Raises:
       JaxkvError: a spec the shapes do not fit, or B / K that do not split over the mesh.
     """
+    if hasattr(config, "cache_spec"):
+        spec = config.cache_spec(spec)
     sizes = dict(batch=batch, n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim)
     if mesh is not None:
         return parallel.create_cache(spec, mesh, **sizes)

@@ -152,8 +152,9 @@ def token_nll(
         raise CacheFullError(
             f"token_nll: {len(ids)} tokens need {n_in} cache slots, but the full cache has max_len={spec.token_limit}"
         )
-    t = chunk_len(spec, n_in, chunk)
     kv = new_cache(model.config, spec, 1)
+    spec = kv.spec  # per-layer when the model has local layers
+    t = chunk_len(spec, n_in, chunk)
     graphdef, state = nnx.split(model.model)
     out = np.empty(n_in, np.float64)
 

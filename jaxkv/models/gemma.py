@@ -54,7 +54,6 @@ GGUF_GEMMA_TENSORS = {
     "q_norm": "blk.{i}.attn_q_norm.weight",
     "k_norm": "blk.{i}.attn_k_norm.weight",
 }
-GEMMA_SWITCHES = dict(post_norms=True, embed_scale=True, mlp_activation="gelu_tanh", tie_embeddings=True)
 _HF_GEMMA_UNSUPPORTED = {"use_bidirectional_attention": (None, False), "use_qk_norm": (None, False)}
 PATTERN = {"gemma2": 2, "gemma3": 6}
 """Every n-th layer is global, the others local (llama.cpp's default for files that do not say)."""
@@ -91,7 +90,7 @@ def _from_hf(family: str, architectures: tuple, model_types: dict, qk_norm: bool
             sliding_window=window if kinds and "sliding_attention" in kinds else None,
             attn_softcap=hf.get("attn_logit_softcapping"), final_softcap=hf.get("final_logit_softcapping"),
             query_scale=None if scalar is None else float(scalar) ** -0.5, qk_norm=qk_norm,
-            **{k: v for k, v in GEMMA_SWITCHES.items() if k != "tie_embeddings"},
+            post_norms=True, embed_scale=True,
         )
     return config
 
@@ -113,7 +112,7 @@ def _from_gguf(arch: str, qk_norm: bool, large_layers: int):
             layer_types=kinds, sliding_window=int(window) if window else None, query_scale=scale,
             attn_softcap=metadata.get(f"{arch}.attn_logit_softcapping"),
             final_softcap=metadata.get(f"{arch}.final_logit_softcapping") or None, qk_norm=qk_norm,
-            **{k: v for k, v in GEMMA_SWITCHES.items() if k != "tie_embeddings"},
+            post_norms=True, embed_scale=True, mlp_activation="gelu_tanh",
         )
         local = Rope.default(local_theta, config.head_dim)
         return dataclasses.replace(config, local_rope=None if local == config.rope_for("full_attention") else local)
