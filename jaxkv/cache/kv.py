@@ -32,6 +32,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxkv.cache.kivi_storage import QuantRing
@@ -157,6 +158,24 @@ class KVCache:
             ring_pos=empty_pos(spec.n_ring),
             quant=store,
         )
+
+    def starting_at(self, position: int) -> "KVCache":
+        """This (empty) cache with every row's stream starting at ``position``: the next token
+        is at that position, as if the tokens before it had come and gone. A stream that
+        starts past the sinks keeps none (sinks are positions ``< sink``). For long-stream
+        tests (RoPE precision at large absolute positions) without streaming that far.
+
+        Raises:
+          JaxkvError: a cache that holds tokens, a full cache (its slots are positions), or a
+            position outside ``[0, 2**31 - 2**24)``.
+        """
+        if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or not 0 <= position < 2**31 - 2**24:
+            raise JaxkvError(f"starting_at: position={position!r}, expected an integer in [0, 2**31 - 2**24)")
+        if not self.spec.bounded and position:
+            raise JaxkvError(f"starting_at({position}): a full cache holds positions 0..max_len-1 only: use a window")
+        if np.any(np.asarray(self.length) != 0):
+            raise JaxkvError("starting_at: the cache already holds tokens; start from an empty cache")
+        return self.replace(length=jnp.full_like(self.length, position))
 
     # ---- shapes --------------------------------------------------------------------------------
     @property

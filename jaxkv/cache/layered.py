@@ -59,6 +59,10 @@ class LayeredCache:
             for s, a, b in spec.runs
         ))
 
+    def starting_at(self, position: int) -> "LayeredCache":
+        """Every run starting at ``position`` (see :meth:`KVCache.starting_at`)."""
+        return self.replace(groups=tuple(g.starting_at(position) for g in self.groups))
+
     @property
     def length(self) -> jax.Array:
         """int32[B]: tokens appended so far per row (the same in every run)."""

@@ -115,6 +115,7 @@ def token_nll(
     cache: CacheSpec | None = None,
     chunk: int = 128,
     progress: bool = False,
+    start: int = 0,
 ) -> np.ndarray:
     """Teacher-forced negative log-likelihood of every token after the first, through a KV cache.
 
@@ -134,12 +135,14 @@ def token_nll(
         two when the text is shorter); it changes speed, not results (beyond float32
         summation order, ~1e-6 nats).
       progress: show a tqdm progress bar on stderr.
+      start: the absolute position of the first token (a stream that began ``start`` tokens
+        earlier, see :meth:`~jaxkv.cache.kv.KVCache.starting_at`); needs a StreamingLLM cache.
     Returns:
       ``float64[N - 1]``, nats: ``nll[i] = -log p(tokens[i+1] | what the cache holds after
       tokens[i] is appended)``, the model's logits computed in float32.
     Raises:
       JaxkvError: fewer than 2 tokens (the message gives the count), ids outside the
-      vocabulary, a bad ``chunk``; CacheFullError: a full cache with ``max_len < N - 1``.
+      vocabulary, a bad ``chunk`` or ``start``; CacheFullError: a full cache with ``max_len < N - 1``.
 
     Source: StreamingLLM (Xiao et al. 2023, arXiv 2309.17453) §4.1 and Fig. 3 evaluate
     language modelling on long texts exactly this way (per-token NLL while streaming).
@@ -153,6 +156,8 @@ def token_nll(
             f"token_nll: {len(ids)} tokens need {n_in} cache slots, but the full cache has max_len={spec.token_limit}"
         )
     kv = new_cache(model.config, spec, 1)
+    if start:
+        kv = kv.starting_at(start)
     spec = kv.spec  # per-layer when the model has local layers
     t = chunk_len(spec, n_in, chunk)
     graphdef, state = nnx.split(model.model)
@@ -166,7 +171,7 @@ def token_nll(
             bar.update(n)
 
         pending = None
-        for c in plan_chunks(spec, [0], [n_in], t):
+        for c in plan_chunks(spec, [start], [n_in], t):
             tokens, targets = c.take([ids], t), c.take([ids], t, shift=1)
             with count_compiles("nll"):
                 nll, kv = nll_chunk(graphdef, state, jnp.asarray(tokens), jnp.asarray(targets), jnp.asarray(c.n), kv)
