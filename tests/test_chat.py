@@ -289,7 +289,9 @@ def test_jaxkv_chat_2_files_written_before_the_checkpoint_module_still_load(tmp_
             for_both.append((f.metadata(), {k: f.get_tensor(k).tobytes() for k in f.keys()}))
     assert for_both[0] == for_both[1]
     assert session.send("More") == expected["next"]
-    assert str(session.stats()) == expected["stats"]
+    stats = session.stats()  # the spec's repr grows with later CacheSpec fields: compare the spec as one
+    assert str(dataclasses.replace(stats, spec=None)) == expected["stats"].split(", spec=")[0] + ", spec=None)"
+    assert repr(stats.spec).startswith(expected["stats"].split(", spec=")[1].rstrip(")"))
 
 
 def test_cache_checkpoint_round_trips_any_cache_and_refuses_mismatches(tmp_path):

@@ -37,6 +37,16 @@ from jaxkv.files import atomic_write
 
 FILE_FORMAT = "jaxkv-cache/1"
 _RESERVED = ("format", "spec", "checksum")
+_LATER_SPEC_FIELDS = ("attention_window",)
+"""CacheSpec fields added after the format was defined: written only when set, so a cache
+that does not use them is saved byte for byte as before."""
+
+
+def _spec_fields(spec) -> dict:
+    """The JSON fields of a :class:`CacheSpec` (or :class:`LayerSpecs`: ``{"specs": [...]}``)."""
+    if isinstance(spec, LayerSpecs):
+        return {"specs": [_spec_fields(s) for s in spec.specs]}
+    return {k: v for k, v in dataclasses.asdict(spec).items() if not (k in _LATER_SPEC_FIELDS and v is None)}
 
 
 def named_leaves(cache) -> list[tuple[str, jax.Array]]:
@@ -75,7 +85,7 @@ def save_cache(
         raise JaxkvError(f"save_cache: entries {bad} are reserved, not strings, or clash with the cache's arrays")
     tensors = {name: _storable(np.asarray(leaf)) for name, leaf in named_leaves(cache)}
     tensors.update({name: np.ascontiguousarray(a) for name, a in arrays.items()})
-    metadata = {"format": file_format, "spec": json.dumps(dataclasses.asdict(cache.spec), sort_keys=True), **metadata}
+    metadata = {"format": file_format, "spec": json.dumps(_spec_fields(cache.spec), sort_keys=True), **metadata}
     metadata["checksum"] = _checksum(tensors, metadata)
     atomic_write(path, safetensors.numpy.save(tensors, metadata=metadata))
 

@@ -385,6 +385,8 @@ class ChatSession:
                 system=state["system"], chat_template=chat_template, block=block,
             )
             mine = session.model_identity()
+            if isinstance(identity, dict) and isinstance(identity.get("config"), dict):  # files of older jaxkv versions
+                identity["config"] = _without_defaults(model.config, identity["config"])
             if identity != mine:
                 what = [k for k in sorted(set(identity) | set(mine)) if identity.get(k) != mine.get(k)]
                 raise JaxkvError(
@@ -435,9 +437,22 @@ def model_fingerprint(model: LoadedModel) -> str:
     return h.hexdigest()
 
 
+_V2_CONFIG_FIELDS = frozenset({"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
+                               "rope_theta", "norm_eps", "max_seq_len", "tie_embeddings", "attention_bias"})
+"""The config fields of the model identity when ``jaxkv-chat/2`` was defined; later ones are
+written only when they differ from their default, so older files keep their identity."""
+
+
+def _without_defaults(config, fields: dict) -> dict:
+    """Config ``fields`` (JSON values) less the later ones (not in :data:`_V2_CONFIG_FIELDS`) at their default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
+    return {k: v for k, v in fields.items() if k in _V2_CONFIG_FIELDS or not (k in defaults and v == defaults[k])}
+
+
 def _identity(model: LoadedModel, fingerprint: str) -> dict:
     config = {k: v for k, v in dataclasses.asdict(model.config).items() if k != "name"}
-    config = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in config.items()}
+    config = json.loads(json.dumps({k: (v.item() if isinstance(v, np.generic) else v) for k, v in config.items()}))
+    config = _without_defaults(model.config, config)
     tok = model.tokenizer
     template = hashlib.sha256((tok.chat_template or "").encode()).hexdigest()
     return {

@@ -1,0 +1,127 @@
+"""Every model family against transformers and llama.cpp: writes docs/FAMILIES.md's table.
+
+For each family's tiny random model (:mod:`tests.families`): jaxkv's logits from the HF
+folder and from the GGUF that llama.cpp's own converter writes, against transformers' (HF
+folder) and llama.cpp's (the same GGUF, through llama-cpp-python), 64 tokens, fp32.
+
+llama-cpp-python is built from source (the ``llama-cpp-python`` sdist on PyPI; ~20 min on 2
+cores), best into a venv of its own; pass its python with ``--llama-cpp-python``:
+
+    python3 -m venv ~/.cache/jaxkv/llvenv && ~/.cache/jaxkv/llvenv/bin/pip install llama-cpp-python==0.3.36 numpy
+    .venv/bin/python scripts/compare_families.py --llama-cpp-python ~/.cache/jaxkv/llvenv/bin/python
+
+Without it the llama.cpp column reads "not run".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from tests import families  # noqa: E402
+from tests.test_families import IDS, logits  # noqa: E402
+
+LLAMA_CPP_LOGITS = """
+import json, sys, numpy as np, llama_cpp
+path, out, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = llama_cpp.Llama(model_path=path, n_ctx=len(ids) + 8, logits_all=True, verbose=True, n_threads=2,
+                      type_k=0, type_v=0)  # GGML_TYPE_F32 KV cache (llama.cpp defaults to f16)
+llm.eval(ids)
+np.save(out, np.asarray(llm.scores[: len(ids)], np.float32))
+print(llama_cpp.__version__)
+"""
+
+
+def llama_cpp_logits(python: str, gguf: str, ids: list[int]) -> tuple[np.ndarray, str]:
+    out = gguf + ".npy"
+    done = subprocess.run([python, "-c", LLAMA_CPP_LOGITS, gguf, out, json.dumps(ids)], capture_output=True, text=True)
+    if done.returncode:
+        errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "failed" in line.lower()]
+        raise RuntimeError(errors[0] if errors else done.stderr.strip().splitlines()[-1])
+    return np.load(out), done.stdout.strip().splitlines()[-1]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-cpp-python", help="a python with llama-cpp-python installed")
+    parser.add_argument("--out", default="docs/FAMILIES.md")
+    args = parser.parse_args(argv)
+    import jax
+    import transformers
+
+    from jaxkv.io import load_model
+
+    converter = families.llama_cpp_converter()
+    if converter is None:
+        raise SystemExit("llama.cpp's converter not found: run scripts/test.sh once, or set JAXKV_LLAMA_CPP")
+    rows, llama_version = [], "not run"
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in families.FAMILIES:
+            folder = families.build(os.path.join(tmp, family), family)
+            gguf = families.convert(folder, os.path.join(tmp, f"{family}.gguf"), converter)
+            reference = families.hf_logits(folder, IDS)
+            hf, from_gguf = logits(load_model(folder), IDS), logits(load_model(gguf), IDS)
+            row = {"family": family, "hf": float(np.abs(hf - reference).max()),
+                   "gguf_vs_hf": float(np.abs(from_gguf - hf).max()), "scale": float(np.abs(reference).max())}
+            if args.llama_cpp_python:
+                try:
+                    theirs, llama_version = llama_cpp_logits(args.llama_cpp_python, gguf, IDS)
+                    row["gguf_vs_llama_cpp"] = float(np.abs(from_gguf - theirs).max())
+                    row["llama_cpp_vs_hf"] = float(np.abs(theirs - reference).max())
+                except RuntimeError as e:
+                    row["llama_cpp_error"] = str(e)[:200]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    text = render(rows, llama_version, jax.__version__, transformers.__version__)
+    pathlib.Path(args.out).write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def render(rows, llama_version, jax_version, transformers_version) -> str:
+    def cell(row, key):
+        if "llama_cpp_error" in row and "llama_cpp" in key:
+            return "llama.cpp refused the file (below)"
+        return f"{row[key]:.1e}" if key in row else "not run"
+
+    lines = [
+        "# Model families: logits against transformers and llama.cpp",
+        "",
+        "Written by `scripts/compare_families.py` (tiny random models of each family, 64 tokens, fp32,",
+        "unit-scale logits: the largest |logit| of each model is given). Columns are max |difference| of",
+        "logits: jaxkv on the Hugging Face folder vs transformers; jaxkv on the GGUF written by llama.cpp's",
+        "own `convert_hf_to_gguf.py` vs jaxkv on the folder; the same GGUF in jaxkv vs llama.cpp",
+        "(llama-cpp-python); llama.cpp vs transformers.",
+        "",
+        f"Machine: {platform.machine()} CPU, Python {platform.python_version()}, jax {jax_version}, transformers "
+        f"{transformers_version}, llama-cpp-python {llama_version} (llama.cpp's converter from its sdist).",
+        "",
+        "| family | max |logit| | jaxkv HF vs transformers | jaxkv GGUF vs jaxkv HF | jaxkv GGUF vs llama.cpp | llama.cpp vs transformers |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['family']} | {r['scale']:.2f} | {cell(r, 'hf')} | {cell(r, 'gguf_vs_hf')} | "
+                     f"{cell(r, 'gguf_vs_llama_cpp')} | {cell(r, 'llama_cpp_vs_hf')} |")
+    lines += [f"\n{r['family']}: llama.cpp: `{r['llama_cpp_error']}`" for r in rows if "llama_cpp_error" in r]
+    lines += [
+        "",
+        "Mistral: llama.cpp's converter writes Mistral as `llama` without its sliding window (llama.cpp",
+        "ignores it), so past the window (16 tokens here) its GGUF is another model than the HF folder;",
+        "jaxkv computes what the GGUF says, as llama.cpp does.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
