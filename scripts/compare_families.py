@@ -97,6 +97,10 @@ def render(rows, llama_version, jax_version, transformers_version) -> str:
     lines = [
         "# Model families: logits against transformers and llama.cpp",
         "",
+        "How each family maps onto the shared decoder, and what its local layers keep in the cache:",
+        "`docs/ARCHITECTURE.md` (Model families). The tests (`tests/test_families.py`, in CI) check the",
+        "first two columns to 1e-4 on every run.",
+        "",
         "Written by `scripts/compare_families.py` (tiny random models of each family, 64 tokens, fp32,",
         "unit-scale logits: the largest |logit| of each model is given). Columns are max |difference| of",
         "logits: jaxkv on the Hugging Face folder vs transformers; jaxkv on the GGUF written by llama.cpp's",
@@ -118,6 +122,15 @@ def render(rows, llama_version, jax_version, transformers_version) -> str:
         "Mistral: llama.cpp's converter writes Mistral as `llama` without its sliding window (llama.cpp",
         "ignores it), so past the window (16 tokens here) its GGUF is another model than the HF folder;",
         "jaxkv computes what the GGUF says, as llama.cpp does.",
+        "",
+        "Gemma: llama.cpp's CPU backend computes GELU from a float16 table (`GGML_GELU_FP16` in",
+        "`ggml-cpu/vec.h`); jaxkv and transformers compute it in float32, and agree to 1e-5.",
+        "",
+        "Phi-3: llama.cpp refuses the tiny model's vocabulary (the stories260K SentencePiece model lacks",
+        "the special tokens its Phi-3 vocabulary loader looks up), not its tensors.",
+        "",
+        "The llama.cpp runs use an F32 KV cache (`type_k=type_v=F32`; llama.cpp's default F16 cache",
+        "alone moves its logits by ~3e-3 on these models).",
         "",
     ]
     return "\n".join(lines)

@@ -113,11 +113,12 @@ def test_streaming_int4_cache_decodes_with_a_per_layer_memory_report(folders, fa
     assert len(out.token_ids[0]) == 48 or out.finish_reasons[0] == "eos"
     report = memory_report(new_cache(model.config, spec, 1))
     assert sum(n for _, n, _ in report.by_spec) == len(kinds)
-    if family == "gemma3":  # 6 local layers and one global, each described with its bytes
+    if family == "gemma3":  # 6 local layers and one global, each kind with its bytes
         assert [(d.split(",")[0], n) for d, n, _ in report.by_spec] == [
-            ("sink 0 + window 16 (local attention over 16)", 5), ("sink 4 + window 32", 1),
-            ("sink 0 + window 16 (local attention over 16)", 1)][:len(report.by_spec)] or len(report.by_spec) == 2
-        assert "layers of sink 4 + window 32" in report.summary()
+            ("sink 0 + window 16 (local attention over 16)", 6), ("sink 4 + window 32", 1)]
+        local_bytes, global_bytes = report.by_spec[0][2], report.by_spec[1][2]
+        assert local_bytes + global_bytes == report.allocated_bytes and local_bytes / 6 < global_bytes
+        assert "1 layer of sink 4 + window 32" in report.summary()
 
 
 def test_cache_positions_rotate_each_layer_kind_with_its_own_rope(folders):
@@ -155,3 +156,41 @@ def test_gguf_from_llama_cpp_converter_matches_the_hf_folder(folders, tmp_path, 
         np.testing.assert_allclose(model.config.rope_for("full_attention").inv_freq,
                                    hf.config.rope_for("full_attention").inv_freq, rtol=1e-6)
     np.testing.assert_allclose(b, a, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------- CLI
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "gemma3"])
+def test_cli_chat_sample_with_a_streaming_int4_cache(folders, capsys, family):
+    from jaxkv.cli import main
+
+    code = main(["sample", folders(family), "--chat", "--prompt", "Once upon a time", "--tokens", "6",
+                 "--streaming-llm-sink", "4", "--streaming-llm-window", "32", "--kv-quantize", "int4",
+                 "--kv-group-size", "8", "--kv-residual", "16"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = err.strip().splitlines()[-1]
+    assert "tokens" in report and "cache" in report
+    if family == "gemma3":  # the memory report gives each layer kind
+        assert "6 layers of sink 0 + window 16 (local attention over 16)" in report
+        assert "1 layer of sink 4 + window 32" in report
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling of type 'yarn' is not supported"),
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75 is not supported"),
+    ({"hidden_act": "relu"}, "hidden_act='relu' is not supported"),
+])  # fmt: skip
+def test_cli_refuses_maths_it_does_not_implement_in_one_line(folders, tmp_path, capsys, change, message):
+    import json
+    import shutil
+
+    from jaxkv.cli import main
+
+    folder = tmp_path / "changed"
+    shutil.copytree(folders("qwen3"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("rope_parameters", None) if "rope_scaling" in change or "partial_rotary_factor" in change else None
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    code = main(["sample", str(folder), "--prompt", "Hi", "--tokens", "2"])
+    out, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err and "Traceback" not in err

@@ -60,7 +60,7 @@ class MemoryReport:
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.allocated.items() if v)
         line = f"cache {format_bytes(self.allocated_bytes)} allocated, {format_bytes(self.live_bytes)} live ({parts})"
         if len(self.by_spec) > 1:
-            line += "; " + "; ".join(f"{n} layers of {desc}: {format_bytes(b)}" for desc, n, b in self.by_spec)
+            line += "; " + "; ".join(f"{n} layer{'s' if n > 1 else ''} of {desc}: {format_bytes(b)}" for desc, n, b in self.by_spec)
         return line
 
 

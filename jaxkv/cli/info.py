@@ -8,6 +8,7 @@ import platform
 import jax
 
 from jaxkv.eval.audit import backend_support
+from jaxkv.io.registry import FAMILIES
 
 
 def add_parser(sub) -> None:
@@ -33,3 +34,7 @@ def run(args) -> None:
     print(f"backend {backend}; devices: {', '.join(f'{d} ({d.device_kind})' for d in devices)}")
     support = backend_support(devices[0].platform if devices else backend)
     print(f"cache modes on {backend}: " + ", ".join(f"{mode} {status}" for mode, status in support.items()))
+    print("model families: " + "; ".join(
+        f"{f.name} (HF {', '.join(f.hf.architectures)}; GGUF {', '.join(f.gguf.architectures)})" for f in FAMILIES.values()))
+    print("local sliding-window layers (Mistral, Gemma 2/3, Phi-3) keep the model's own window in the cache, in the "
+          "chosen storage; the StreamingLLM flags bound the global layers")
