@@ -38,17 +38,19 @@ llm = llama_cpp.Llama(model_path=path, n_ctx=len(ids) + 8, logits_all=True, verb
                       type_k=0, type_v=0)  # GGML_TYPE_F32 KV cache (llama.cpp defaults to f16)
 llm.eval(ids)
 np.save(out, np.asarray(llm.scores[: len(ids)], np.float32))
-print(llama_cpp.__version__)
+print(json.dumps({"version": llama_cpp.__version__, "tokens": llm.tokenize(sys.argv[4].encode())}))
 """
+TEXT = "Once upon a time, there was a little girl named Lily. She loved to play outside!"
 
 
-def llama_cpp_logits(python: str, gguf: str, ids: list[int]) -> tuple[np.ndarray, str]:
+def llama_cpp_logits(python: str, gguf: str, ids: list[int]) -> tuple[np.ndarray, dict]:
+    """llama.cpp's logits of ``ids`` and its tokens of :data:`TEXT` (BOS as the file says)."""
     out = gguf + ".npy"
-    done = subprocess.run([python, "-c", LLAMA_CPP_LOGITS, gguf, out, json.dumps(ids)], capture_output=True, text=True)
+    done = subprocess.run([python, "-c", LLAMA_CPP_LOGITS, gguf, out, json.dumps(ids), TEXT], capture_output=True, text=True)
     if done.returncode:
         errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "failed" in line.lower()]
         raise RuntimeError(errors[0] if errors else done.stderr.strip().splitlines()[-1])
-    return np.load(out), done.stdout.strip().splitlines()[-1]
+    return np.load(out), json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
@@ -70,12 +72,15 @@ def main(argv=None) -> int:
             folder = families.build(os.path.join(tmp, family), family)
             gguf = families.convert(folder, os.path.join(tmp, f"{family}.gguf"), converter)
             reference = families.hf_logits(folder, IDS)
-            hf, from_gguf = logits(load_model(folder), IDS), logits(load_model(gguf), IDS)
+            gguf_model = load_model(gguf)
+            hf, from_gguf = logits(load_model(folder), IDS), logits(gguf_model, IDS)
             row = {"family": family, "hf": float(np.abs(hf - reference).max()),
                    "gguf_vs_hf": float(np.abs(from_gguf - hf).max()), "scale": float(np.abs(reference).max())}
             if args.llama_cpp_python:
                 try:
-                    theirs, llama_version = llama_cpp_logits(args.llama_cpp_python, gguf, IDS)
+                    theirs, info = llama_cpp_logits(args.llama_cpp_python, gguf, IDS)
+                    llama_version = info["version"]
+                    row["tokens_equal"] = gguf_model.tokenizer.encode(TEXT) == info["tokens"]
                     row["gguf_vs_llama_cpp"] = float(np.abs(from_gguf - theirs).max())
                     row["llama_cpp_vs_hf"] = float(np.abs(theirs - reference).max())
                 except RuntimeError as e:
@@ -102,20 +107,22 @@ def render(rows, llama_version, jax_version, transformers_version) -> str:
         "first two columns to 1e-4 on every run.",
         "",
         "Written by `scripts/compare_families.py` (tiny random models of each family, 64 tokens, fp32,",
-        "unit-scale logits: the largest |logit| of each model is given). Columns are max |difference| of",
+        "unit-scale logits: the largest absolute logit of each model is given). Columns are the largest absolute difference of",
         "logits: jaxkv on the Hugging Face folder vs transformers; jaxkv on the GGUF written by llama.cpp's",
         "own `convert_hf_to_gguf.py` vs jaxkv on the folder; the same GGUF in jaxkv vs llama.cpp",
-        "(llama-cpp-python); llama.cpp vs transformers.",
+        "(llama-cpp-python); llama.cpp vs transformers; and whether jaxkv's tokenizer of the GGUF gives",
+        "llama.cpp's tokens for a sentence (BOS and the space prefix as the file says).",
         "",
         f"Machine: {platform.machine()} CPU, Python {platform.python_version()}, jax {jax_version}, transformers "
         f"{transformers_version}, llama-cpp-python {llama_version} (llama.cpp's converter from its sdist).",
         "",
-        "| family | max |logit| | jaxkv HF vs transformers | jaxkv GGUF vs jaxkv HF | jaxkv GGUF vs llama.cpp | llama.cpp vs transformers |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| family | largest logit (abs) | jaxkv HF vs transformers | jaxkv GGUF vs jaxkv HF | jaxkv GGUF vs llama.cpp | llama.cpp vs transformers | GGUF tokens = llama.cpp's |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(f"| {r['family']} | {r['scale']:.2f} | {cell(r, 'hf')} | {cell(r, 'gguf_vs_hf')} | "
-                     f"{cell(r, 'gguf_vs_llama_cpp')} | {cell(r, 'llama_cpp_vs_hf')} |")
+                     f"{cell(r, 'gguf_vs_llama_cpp')} | {cell(r, 'llama_cpp_vs_hf')} | "
+                     f"{ {True: 'yes', False: 'NO'}.get(r.get('tokens_equal'), 'not run')} |")
     lines += [f"\n{r['family']}: llama.cpp: `{r['llama_cpp_error']}`" for r in rows if "llama_cpp_error" in r]
     lines += [
         "",
