@@ -127,6 +127,12 @@ def test_cache_positions_rotate_each_layer_kind_with_its_own_rope(folders):
     absolute = logits(model, IDS)
     cache = logits(model, IDS, CacheSpec(max_len=T, positions="cache"))  # ranks = positions in a full cache
     np.testing.assert_allclose(cache, absolute, atol=1e-4, rtol=0)
+    # streaming: until the first eviction from the global layers' window, ranks are positions too
+    spec = CacheSpec(sink=4, window=32)
+    by_rank = token_nll(model, IDS, cache=dataclasses.replace(spec, positions="cache"))
+    by_position = token_nll(model, IDS, cache=spec)
+    np.testing.assert_allclose(by_rank[:36], by_position[:36], atol=1e-4)
+    assert np.abs(by_rank[40:] - by_position[40:]).max() > 1e-4  # then the global layers' ranks compress
 
 
 def test_every_family_is_registered():
