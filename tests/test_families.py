@@ -200,3 +200,14 @@ def test_cli_refuses_maths_it_does_not_implement_in_one_line(folders, tmp_path, 
     code = main(["sample", str(folder), "--prompt", "Hi", "--tokens", "2"])
     out, err = capsys.readouterr()
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err and "Traceback" not in err
+
+
+def test_a_cache_without_the_models_window_is_refused_not_silently_wrong(folders):
+    from jaxkv import KVCache, JaxkvError
+
+    model = load_model(folders("mistral"))  # every layer local: a plain cache would run, without the window
+    c = model.config
+    plain = KVCache.create(CacheSpec(max_len=T), batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+    graphdef, state = nnx.split(model.model)
+    with pytest.raises(JaxkvError, match="a local window of 16 tokens on sliding_attention layers.*new_cache"):
+        forward(graphdef, state, jnp.asarray([IDS], jnp.int32), jnp.asarray([T], jnp.int32), plain)

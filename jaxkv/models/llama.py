@@ -469,9 +469,12 @@ class Llama(nnx.Module):
         kinds = c.layer_kinds
         k_new, v_new = [], []
         for first, end, run_step, run_layers in cache.runs(step):  # one run unless per-layer specs
-            if len(set(kinds[first:end])) != 1:
-                raise JaxkvError(f"{c.name}: layers {first}-{end - 1} mix local and global attention in one cache run: "
-                                 f"build the cache with config.cache_spec(spec)")
+            window = c.sliding_window if kinds[first] == "sliding_attention" else None
+            if len(set(kinds[first:end])) != 1 or run_step.spec.attention_window != window:
+                raise JaxkvError(f"{c.name}: the cache of layers {first}-{end - 1} is not the one their attention needs "
+                                 f"(a local window of {c.sliding_window} tokens on {', '.join(sorted(set(kinds[first:end])))} "
+                                 "layers): make it with jaxkv.decode.new_cache(config, spec, batch), or "
+                                 "KVCache.create(config.cache_spec(spec), ...)")
             run_weights = weights if (first, end) == (0, c.n_layers) else jax.tree.map(lambda a: a[first:end], weights)
             body = functools.partial(layer, run_step, c.rope_for(kinds[first]))
             x, (k_run, v_run) = lax.scan(body, x, (run_weights, run_layers))
