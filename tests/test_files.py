@@ -138,3 +138,16 @@ def test_cli_refuses_an_unwritable_output_before_any_work(place, argv, why):
     assert out.returncode == 2 and out.stderr == f"jaxkv: error: {why.format(d=place)}\n", out.stderr
     assert out.stdout == ""  # no reply printed, no perplexity scored
     assert listing(place) == before and (place / "in.jsonl").read_text() == '{"prompt": "x"}\n'
+
+
+def test_a_chat_save_that_fails_late_is_one_line():
+    """Checked up front, a save can still fail later (the disk fills up): one line, not a traceback."""
+    from jaxkv.cli.chat import _save
+
+    class DiskFull:
+        def save(self, path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    with pytest.raises(JaxkvError) as e:
+        _save(DiskFull(), "chat.safetensors")
+    assert str(e.value) == "--cache-file chat.safetensors: cannot save the conversation (No space left on device)"
