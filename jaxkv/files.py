@@ -1,6 +1,7 @@
-"""Atomic file writes: every file jaxkv writes (a chat cache, batch results, per-token NLL).
+"""Atomic file writes: every file jaxkv writes (a chat cache, batch results, per-token NLL),
+and the check that such a file can be written, made before the work that produces it.
 
-Beside :mod:`jaxkv.errors` at the bottom of the layers (DESIGN §3): it imports nothing of jaxkv.
+Beside :mod:`jaxkv.errors` at the bottom of the layers (DESIGN §3): it imports only that.
 """
 
 from __future__ import annotations
@@ -8,6 +9,55 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+
+from jaxkv.errors import JaxkvError
+
+
+def _temporary(path: str) -> tuple[int, str]:
+    """A new temporary file beside ``path`` (same directory): ``(fd, name)``; raises OSError."""
+    return tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path))
+
+
+def check_writable(path: str | os.PathLike, flag: str | None = None, *,
+                   not_same_as: str | os.PathLike | None = None) -> None:
+    """Check, before any work, that :func:`atomic_write` will be able to write ``path``.
+
+    It does what the write will do: resolves symlinks, accepts an existing device or pipe it
+    can write to (written through), else creates and removes a temporary file in the target's
+    directory. So a directory that is missing, not a directory, read-only (for this user; root
+    may write into a mode-0555 directory, as the later write would) or on a read-only file
+    system is found now, not after the work.
+
+    Args:
+      path: the output file. flag: how to name it in the message (``--output``); None = the path alone.
+      not_same_as: an input file that ``path`` must not be (also through a symlink or a hard
+        link): writing the output would replace it.
+    Raises:
+      JaxkvError: one line naming ``flag path`` and why it cannot be written.
+    """
+    path = os.fspath(path)
+    shown = f"{flag} {path}" if flag else path
+    real = os.path.realpath(path)
+    if os.path.isdir(real):
+        raise JaxkvError(f"{shown}: is a directory; expected a file name")
+    if not_same_as is not None and os.path.exists(real) and os.path.exists(not_same_as) \
+            and os.path.samefile(real, not_same_as):
+        raise JaxkvError(f"{shown}: is the input file {os.fspath(not_same_as)} (writing it would replace the input); "
+                         "choose another file")
+    if os.path.exists(real) and not os.path.isfile(real):  # a device or a pipe: written through
+        if not os.access(real, os.W_OK):
+            raise JaxkvError(f"{shown}: not writable")
+        return
+    directory = os.path.dirname(real)
+    if not os.path.isdir(directory):
+        why = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise JaxkvError(f"{shown}: the directory {directory} {why}")
+    try:
+        fd, tmp = _temporary(real)
+    except OSError as e:
+        raise JaxkvError(f"{shown}: cannot create a file in {directory} ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(tmp)
 
 
 def atomic_write(path: str | os.PathLike, data: bytes, *, private: bool = True) -> None:
@@ -32,7 +82,7 @@ def atomic_write(path: str | os.PathLike, data: bytes, *, private: bool = True) 
             f.write(data)
         return
     directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    fd, tmp = _temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
             if not private:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -21,8 +23,10 @@ import numpy as np
 import pytest
 
 from paths import REPO, STORIES_BIN, TOK512_MODEL
-from jaxkv import CacheSpec, generate, sample
-from jaxkv.decode.batch import Row, parse_requests, padded_batch_size, plan_batches, run_rows, write_jsonl_atomic
+from jaxkv import CacheSpec, JaxkvError, generate, sample
+from jaxkv.decode import parallel
+from jaxkv.decode.batch import (Row, _RowLimits, padded_batch_size, parse_requests, plan_batches, read_requests, run_rows,
+                                write_jsonl_atomic)
 from jaxkv.cache.ring import write_ring
 from jaxkv.cli import main
 from jaxkv.testing import tiny_loaded
@@ -324,3 +328,134 @@ def test_row_seeds_make_one_key_per_row_and_a_wrong_count_is_refused():
     assert keys.shape == (3, 2) and (keys[0] == keys[2]).all() and (keys[0] != keys[1]).any()
     with pytest.raises(JaxkvError, match="one per row"):
         prng_keys([1, 2, 3], 2)
+
+
+# ---- one bad row never kills a run --------------------------------------------------------------
+def test_parse_requests_skips_rows_no_tokenizer_or_writer_could_take():
+    deep = "[" * 100_000 + "]" * 100_000
+    lines = [b'{"prompt": "a"}', b'{"prompt": "\\ud800 x"}', b'{"prompt": "b", "id": "ok\\udfff"}',
+             b'{"prompt": "c", "id": ' + deep.encode() + b"}", b'{"prompt": "caf\xe9"}', b"  ",
+             b'{"prompt": "d", "seed": ' + b"1" * 5000 + b"}", '{"prompt": "e\u2028f", "id": "\u00e9"}'.encode()]
+    requests, errors = parse_requests(lines)
+    assert [(r.index, r.line, r.prompt, r.id) for r in requests] == [(0, 1, "a", None), (6, 8, "e\u2028f", "\u00e9")]
+    assert [str(e) for e in errors] == [
+        "line 2: \"prompt\" holds a lone surrogate '\\ud800' at character 0: not valid Unicode text",
+        "line 3: \"id\" holds a lone surrogate '\\udfff': not valid Unicode text",
+        "line 4: invalid JSON (nested too deeply for Python's parser)",
+        "line 5: not UTF-8 text (byte 0xe9 at byte 16)",
+        "line 7: invalid JSON (Exceeds the limit (4300 digits) for integer string conversion)",
+    ]
+
+
+def test_read_requests_splits_lines_only_at_line_ends(tmp_path):
+    """A raw U+2028 (valid inside a JSON string) used to split a record in two (str.splitlines)."""
+    src = tmp_path / "p.jsonl"
+    src.write_bytes('{"prompt": "one\u2028two"}\r\n{"prompt": "x\x1cy"}\r{"prompt": "\xff"}'.encode())
+    requests, errors = read_requests(src)
+    assert [(r.line, r.prompt) for r in requests] == [(1, "one\u2028two"), (3, "\xff")]
+    assert [e.line for e in errors] == [2] and "invalid JSON" in errors[0].message  # a raw control character
+
+
+FREE = 64 * 2**20  # free memory the tests pretend to have
+# stories260K: L=5 layers x K=4 KV heads x H=8 x fp32 x (K + V) + an int32 position = 1284 bytes per slot and row;
+# a batch of 8 rows: 10272 bytes per slot + 32 (lengths); 64 MiB hold 6533 slots, the largest multiple of 256 is 6400
+FIT_SLOTS = 6400
+
+
+def test_bad_rows_are_skipped_by_line_and_the_good_rows_written(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(parallel, "_host_free_bytes", lambda: FREE)
+    src = tmp_path / "p.jsonl"
+    src.write_bytes(b"\n".join([
+        json.dumps({"prompt": "Lily", "id": "a"}).encode(),
+        b'{"prompt": "\\ud800"}',
+        b'{"prompt": "Lily", "id": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        json.dumps({"prompt": "The sun", "max_new_tokens": 1_000_000_000}).encode(),
+        b'{"prompt": "caf\xe9"}',
+        json.dumps({"prompt": "One day\u2028a big bear", "id": 7}, ensure_ascii=False).encode(),
+        json.dumps({"prompt": "The sun", "max_new_tokens": 2**31}).encode(),
+        json.dumps({"prompt": "The sun", "max_new_tokens": FIT_SLOTS - 4 + 1}).encode(),  # "The sun" is 4 tokens
+    ]) + b"\n")
+    dst = tmp_path / "r.jsonl"
+    code = main(["batch", *STORIES, "--input", str(src), "--output", str(dst), "--tokens", "6", "--no-progress"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 0, err
+    needs = "after a prompt of 4 tokens needs a cache of full {slots}, fp32, positions=absolute: {size} for a batch of 8 rows"
+    fits = f"and 64.00 MiB are free: at most max_new_tokens={FIT_SLOTS - 4} fits (or use fewer rows per batch, or a StreamingLLM window)"
+    assert [line for line in err if line.startswith(str(src))] == [f"{src}: line {n}: {why} (skipped)" for n, why in [
+        (2, "\"prompt\" holds a lone surrogate '\\ud800' at character 0: not valid Unicode text"),
+        (3, "invalid JSON (nested too deeply for Python's parser)"),
+        (5, "not UTF-8 text (byte 0xe9 at byte 16)"),
+        (4, "max_new_tokens=1000000000 " + needs.format(slots=1_000_000_256, size="9566.55 GiB") + ", " + fits),
+        (7, ("max_new_tokens=2147483648 after a prompt of 4 tokens passes the last int32 position 2**31 - 1: "
+             "at most max_new_tokens=2147483643")),
+        (8, f"max_new_tokens={FIT_SLOTS - 3} " + needs.format(slots=FIT_SLOTS + 256, size="65.20 MiB") + ", " + fits),
+    ]]
+    assert err[-1].startswith(f"[wrote 2 results to {dst}; 6 lines skipped; 2 rows in 1 batches;")
+    out = [json.loads(ln) for ln in dst.read_text().splitlines()]
+    assert [(r["index"], r["line"], r["id"]) for r in out] == [(0, 1, "a"), (5, 6, 7)]
+    for r, text in zip(out, ["Lily", "One day\u2028a big bear"]):
+        alone = sample(str(STORIES_BIN), text, max_new_tokens=6, tokenizer=str(TOK512_MODEL))
+        assert r["token_ids"] == alone.token_ids and r["text"] == alone.text
+
+
+def test_run_rows_checks_each_row_before_any_allocation(monkeypatch):
+    """Without on_error the first row that cannot run raises; with it that row is left out (None) and
+    the others decode as they would alone. The largest budget the message offers does fit."""
+    monkeypatch.setattr(parallel, "_host_free_bytes", lambda: FREE)
+    lm = tiny_loaded(tokenizer=False)
+    rows = [Row(ids=prompt(7, 1), max_new_tokens=5), Row(ids=prompt(3, 2), max_new_tokens=10**9),
+            Row(ids=[1, 70_000], max_new_tokens=2), Row(ids=prompt(4, 3), max_new_tokens=3)]
+    with pytest.raises(JaxkvError, match=r"^max_new_tokens=1000000000 after a prompt of 3 tokens needs a cache of full "
+                                         r"1000000256, .* at most max_new_tokens=(\d+) fits"):
+        run_rows(lm, rows, batch_size=2)
+    refused = []
+    out = run_rows(lm, rows, batch_size=2, on_error=lambda i, e: refused.append((i, str(e))))
+    assert [i for i, _ in refused] == [1, 2] and "token id 70000 is outside the vocabulary" in refused[1][1]
+    assert out[1] is None and out[2] is None
+    for r, got in zip([rows[0], rows[3]], [out[0], out[3]]):
+        assert got.token_ids == generate(lm, [list(r.ids)], max_new_tokens=r.max_new_tokens).token_ids[0]
+    fit = int(re.search(r"at most max_new_tokens=(\d+)", refused[0][1]).group(1))
+    limits = _RowLimits(lm, None, 2, None)  # the boundary, checked without decoding
+    limits.check(Row(ids=prompt(3, 2), max_new_tokens=fit))
+    with pytest.raises(JaxkvError, match=f"at most max_new_tokens={fit} fits"):
+        limits.check(Row(ids=prompt(3, 2), max_new_tokens=fit + 1))
+    assert limits.cache_bytes(3 + fit) <= FREE < limits.cache_bytes(3 + fit + 1)
+
+
+def test_a_batch_cache_is_sized_by_its_largest_row_not_longest_prompt_plus_largest_budget():
+    lm = tiny_loaded(tokenizer=False)
+    sizes = []
+    rows = [Row(ids=prompt(200, 1), max_new_tokens=1), Row(ids=prompt(1, 2), max_new_tokens=200)]
+    out = run_rows(lm, rows, batch_size=2, on_batch=lambda members, gen: sizes.append(gen.cache.spec.max_len))
+    assert sizes == [256]  # full_cache_len(201), not full_cache_len(400) = 512
+    assert [len(r.token_ids) for r in out] == [1, 200]
+
+
+def test_no_decodable_row_is_an_error_and_writes_nothing(tmp_path, capsys):
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "Once upon a time there was a big dog"}) + "\n" + '{"prompt": 1}\n')
+    dst = tmp_path / "r.jsonl"
+    code = main(["batch", *STORIES, "--input", str(src), "--output", str(dst), "--max-len", "4", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.splitlines()[-1] == f"jaxkv: error: {src}: no row could be decoded (1 malformed, 1 skipped)"
+    assert "Traceback" not in err and sorted(os.listdir(tmp_path)) == ["p.jsonl"]
+
+
+def test_output_through_a_symlink_and_onto_devices(tmp_path, capsys):
+    """A symlink's target gets the results (the link stays); /dev/null stays a device; /dev/full
+    (every write fails: ENOSPC) is one line and exit 2, and stays a device."""
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "Lily"}) + "\n")
+    (tmp_path / "target.jsonl").write_text("old\n")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "target.jsonl")
+    common = ["batch", *STORIES, "--input", str(src), "--tokens", "3", "--no-progress"]
+    assert main([*common, "--output", str(tmp_path / "link.jsonl")]) == 0, capsys.readouterr().err
+    assert (tmp_path / "link.jsonl").is_symlink()
+    assert [json.loads(ln)["line"] for ln in (tmp_path / "target.jsonl").read_text().splitlines()] == [1]
+    assert main([*common, "--output", "/dev/null"]) == 0, capsys.readouterr().err
+    assert main([*common, "--output", "/dev/full"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "jaxkv: error: /dev/full: cannot write the results ([Errno 28] No space left on device)"
+    for device in ("/dev/null", "/dev/full"):
+        assert stat.S_ISCHR(os.stat(device).st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["link.jsonl", "p.jsonl", "target.jsonl"]

@@ -9,6 +9,7 @@ from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_sampler_flags,
 from jaxkv.decode import Sampler, parallel
 from jaxkv.decode.batch import run_file
 from jaxkv.errors import JaxkvError, check_int
+from jaxkv.files import check_writable
 from jaxkv.io import load_model
 
 
@@ -44,9 +45,10 @@ def run(args) -> None:
     fixed = cache_spec_from_args(args, 1)  # validates the cache flags
     if not os.path.isfile(args.input):
         raise JaxkvError(f"{args.input}: no such input file")
+    check_writable(args.output, "--output", not_same_as=args.input)  # before the model loads, not after the work
     if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
         parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-    # a full cache without --max-len is sized per batch (longest prompt + largest budget, rounded up)
+    # a full cache without --max-len is sized per batch (the largest prompt + budget of its rows, rounded up)
     cache = (lambda need: cache_spec_from_args(args, need)) if args.streaming_llm_window is None and args.max_len is None else fixed
     model = load_model(args.model, tokenizer=args.tokenizer)
     mesh = parallel.mesh_for(model.config.n_kv_heads, args.shard) if args.shard else None

@@ -12,6 +12,7 @@ from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_sampler_flags,
 from jaxkv.decode import Sampler
 from jaxkv.decode.chat import ChatSession, default_cache_spec
 from jaxkv.errors import JaxkvError, check_int
+from jaxkv.files import check_writable
 from jaxkv.io import load_model
 
 
@@ -77,7 +78,7 @@ def chat_loop(session: ChatSession, *, cache_file: str | None = None, stdin=None
             if command == "/reset":
                 session.reset()
                 if cache_file:
-                    session.save(cache_file)
+                    _save(session, cache_file)
                 write("[conversation reset]\n")
             elif command == "/stats":
                 write(f"[{session.stats().summary()}]\n")
@@ -105,7 +106,15 @@ def chat_loop(session: ChatSession, *, cache_file: str | None = None, stdin=None
             print("[the full cache is used up: /reset, or chat with a StreamingLLM cache (--streaming-llm-window M)]",
                   file=stderr, flush=True)
         if cache_file:
-            session.save(cache_file)
+            _save(session, cache_file)
+
+
+def _save(session: ChatSession, path: str) -> None:
+    """``session.save(path)``; a failed write (the disk filled up, the folder went away) is one line, not a traceback."""
+    try:
+        session.save(path)
+    except OSError as e:
+        raise JaxkvError(f"--cache-file {path}: cannot save the conversation ({e.strerror})") from None
 
 
 def run(args) -> None:
@@ -132,6 +141,8 @@ def run(args) -> None:
         spec = cache_spec_from_args(ns)
     else:
         spec = None
+    if args.cache_file:
+        check_writable(args.cache_file, "--cache-file")  # before the first turn, not after its reply
     template = args.chat_template
     if template is not None and os.path.isfile(template):
         with open(template, encoding="utf-8") as f:

@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_tokenizer_flag, cache_spec_from_args
 from jaxkv.errors import JaxkvError, check_int
+from jaxkv.files import check_writable
 from jaxkv.eval.perplexity import perplexity, perplexity_by_range, recompute_nll, token_nll, write_nll
 from jaxkv.io import load_model
 
@@ -49,6 +50,8 @@ def run(args) -> None:
         raise JaxkvError(f"--text {args.text}: cannot read it as UTF-8 text ({e})") from None
     if not text.strip():
         raise JaxkvError(f"--text {args.text}: the file is empty (no text to score)")
+    if args.nll_out:
+        check_writable(args.nll_out, "--nll-out", not_same_as=args.text)  # before scoring, not after
 
     model = load_model(args.model, tokenizer=args.tokenizer)
     ids = model.tokenizer.encode(text)  # one stream, BOS first if the tokenizer adds one

@@ -13,7 +13,7 @@ How rows become compiled calls:
 * A short last batch is padded with one-token filler rows (budget 1) up to the next power
   of two, and every batch to a multiple of the mesh's ``data`` size, so batch shapes stay
   few. Prefill chunks are powers of two (:func:`jaxkv.decode.prefill`); a full cache is
-  sized ``full_cache_len(longest prompt + largest budget)`` (multiples of 256 slots).
+  sized ``full_cache_len(the largest prompt + budget of its rows)`` (multiples of 256 slots).
   Each (batch size, chunk, cache spec, sampler) is compiled once and reused.
 * Rows finish independently (EOS, their own ``max_new_tokens``, a full cache); finished
   rows append nothing while the others go on.
@@ -32,16 +32,20 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import jax
+
+from jaxkv.cache.memory import format_bytes
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.decode import parallel
 from jaxkv.decode.loop import full_cache_len, new_cache, prefill_and_decode, to_host
 from jaxkv.decode.prompt import check_token_ids, encode_prompt, reply_text
 from jaxkv.decode.sampler import Sampler
-from jaxkv.errors import JaxkvError, check_int
-from jaxkv.files import atomic_write
+from jaxkv.errors import CacheFullError, JaxkvError, check_int
+from jaxkv.files import atomic_write, check_writable
 from jaxkv.io import LoadedModel
 
 SEED_LIMIT = 2**32
+POSITION_LIMIT = 2**31  # positions are int32: a row's prompt + budget stays below this
 CacheChoice = CacheSpec | Callable[[int], CacheSpec] | None
 
 
@@ -84,6 +88,10 @@ def parse_line(text: str, *, index: int, line: int) -> Request:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise JaxkvError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+    except ValueError as e:  # "Exceeds the limit (4300 digits) for integer string conversion: ..."
+        raise JaxkvError(f"invalid JSON ({str(e).split(':')[0]})") from None
+    except RecursionError:
+        raise JaxkvError("invalid JSON (nested too deeply for Python's parser)") from None
     if not isinstance(obj, dict):
         raise JaxkvError(f"expected a JSON object, got {type(obj).__name__}")
     if "prompt" not in obj:
@@ -91,6 +99,11 @@ def parse_line(text: str, *, index: int, line: int) -> Request:
     prompt = obj["prompt"]
     if not isinstance(prompt, str):
         raise JaxkvError(f'"prompt" must be a string, got {type(prompt).__name__}')
+    try:  # JSON allows a lone surrogate ("\ud800"), which is not Unicode text: no tokenizer takes it
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise JaxkvError(f'"prompt" holds a lone surrogate {e.object[e.start]!a} at character {e.start}: '
+                         "not valid Unicode text") from None
     n = obj.get("max_new_tokens")
     if n is not None:
         check_int('"max_new_tokens"', n, 1)
@@ -100,18 +113,32 @@ def parse_line(text: str, *, index: int, line: int) -> Request:
     s = obj.get("seed")
     if s is not None:
         check_int('"seed"', s, 0, SEED_LIMIT)
+    try:  # the id is copied to the output: it must be writable there
+        json.dumps(obj.get("id"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise JaxkvError(f'"id" holds a lone surrogate {e.object[e.start]!a}: not valid Unicode text') from None
+    except RecursionError:
+        raise JaxkvError('"id" is nested too deeply to be written back') from None
     return Request(index=index, line=line, prompt=prompt, max_new_tokens=n,
                    temperature=None if t is None else float(t), seed=s, id=obj.get("id"))
 
 
-def parse_requests(lines: Iterable[str]) -> tuple[list[Request], list[LineError]]:
+def parse_requests(lines: Iterable[str | bytes]) -> tuple[list[Request], list[LineError]]:
     """Parse JSONL lines: the valid records and one :class:`LineError` per malformed one.
 
     Blank lines are ignored; every other line is a record and takes the next ``index``
-    (so a malformed record leaves a gap in the result indices, not a shift).
+    (so a malformed record leaves a gap in the result indices, not a shift). A line given
+    as bytes is decoded as UTF-8 on its own: one that is not UTF-8 is one malformed record.
     """
     requests, errors, index = [], [], 0
     for line, text in enumerate(lines, start=1):
+        if isinstance(text, bytes):
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError as e:
+                errors.append(LineError(line, f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at byte {e.start + 1})"))
+                index += 1
+                continue
         if not text.strip():
             continue
         try:
@@ -123,15 +150,22 @@ def parse_requests(lines: Iterable[str]) -> tuple[list[Request], list[LineError]
 
 
 def read_requests(path: str | os.PathLike) -> tuple[list[Request], list[LineError]]:
-    """:func:`parse_requests` of a UTF-8 JSONL file; a missing or unreadable file raises :class:`JaxkvError`."""
+    """:func:`parse_requests` of a UTF-8 JSONL file, lines ending at ``\\n``, ``\\r\\n`` or ``\\r``
+    (a U+2028 inside a JSON string does not split a line). Each line is decoded on its own: a
+    line that is not UTF-8 is skipped, not the file.
+
+    Raises:
+      JaxkvError: a missing or unreadable file.
+    """
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            return parse_requests(f.read().splitlines())
+        with open(path, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         raise JaxkvError(f"{path}: no such input file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise JaxkvError(f"{path}: cannot read it as UTF-8 text ({e})") from None
+    except OSError as e:
+        raise JaxkvError(f"{path}: cannot read it ({e.strerror})") from None
+    return parse_requests(data.splitlines())
 
 
 # ---- decoding ----------------------------------------------------------------------------------
@@ -216,12 +250,62 @@ def padded_batch_size(n_rows: int, batch_size: int, multiple: int = 1) -> int:
 
 def resolve_cache(cache: CacheChoice, need: int) -> CacheSpec:
     """The batch's spec: ``cache`` itself, ``cache(need)``, or a full fp32 cache of
-    ``full_cache_len(need)`` slots when None (``need`` = longest prompt + largest budget)."""
+    ``full_cache_len(need)`` slots when None (``need`` = the largest prompt + budget of its rows)."""
     if cache is None:
         return CacheSpec(max_len=full_cache_len(need))
     if isinstance(cache, CacheSpec):
         return cache
     return cache(need)
+
+
+class _RowLimits:
+    """What one row may ask of a run, checked before any cache is allocated (:meth:`check`)."""
+
+    def __init__(self, model: LoadedModel, cache: CacheChoice, batch_size: int, mesh):
+        self.model, self.cache, self.mesh = model, cache, mesh
+        self.batch = padded_batch_size(batch_size, batch_size, parallel.data_size(mesh))  # the most rows of a batch
+        self._bytes: dict = {}
+        self._free: float | None = None
+
+    def cache_bytes(self, need: int) -> int:
+        """Bytes of the cache of a batch (``self.batch`` rows) whose largest row needs ``need`` tokens."""
+        spec = resolve_cache(self.cache, need)
+        if spec not in self._bytes:
+            shapes = jax.eval_shape(lambda: new_cache(self.model.config, spec, self.batch))
+            self._bytes[spec] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+        return self._bytes[spec]
+
+    def check(self, row: Row) -> None:
+        """Raise :class:`JaxkvError` naming why ``row`` cannot run: no tokens, ids outside the
+        vocabulary, a budget < 1, a prompt longer than a fixed full cache, prompt + budget past
+        the int32 positions, or (a cache sized per batch) a cache larger than the free memory
+        for a full batch of this row (the message says what would fit)."""
+        p = len(row.ids)
+        if p == 0:
+            raise JaxkvError("run_rows: every prompt needs at least one token")
+        n = check_int("max_new_tokens", row.max_new_tokens, 1)
+        check_token_ids(row.ids, self.model.config.vocab_size)
+        if p + n >= POSITION_LIMIT:
+            raise JaxkvError(f"max_new_tokens={n} after a prompt of {p} tokens passes the last int32 position "
+                             f"2**31 - 1: at most max_new_tokens={POSITION_LIMIT - 1 - p}")
+        if isinstance(self.cache, CacheSpec):  # fixed: its size does not depend on the row
+            if self.cache.token_limit is not None and p > self.cache.token_limit:
+                raise CacheFullError(f"prompt of {p} tokens does not fit a full cache of max_len={self.cache.token_limit}")
+            return
+        if self._free is None:
+            self._free = parallel.free_memory(self.mesh)
+        nbytes = self.cache_bytes(p + n)
+        if nbytes <= self._free:
+            return
+        lo, hi = p, p + n - 1  # the largest need that fits (lo = p: not even one new token)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.cache_bytes(mid) <= self._free else (lo, mid - 1)
+        fits = f"at most max_new_tokens={lo - p} fits" if lo > p else "not even one new token fits"
+        raise JaxkvError(f"max_new_tokens={n} after a prompt of {p} tokens needs a cache of "
+                         f"{resolve_cache(self.cache, p + n).describe()}: {format_bytes(nbytes)} for a batch of "
+                         f"{self.batch} rows, and {format_bytes(self._free)} are free: {fits} "
+                         "(or use fewer rows per batch, or a StreamingLLM window)")
 
 
 def run_rows(
@@ -238,7 +322,8 @@ def run_rows(
     progress: bool = False,
     stats: BatchStats | None = None,
     on_batch: Callable[[list[int], Any], None] | None = None,
-) -> list[RowResult]:
+    on_error: Callable[[int, JaxkvError], None] | None = None,
+) -> list[RowResult | None]:
     """Decode token-id rows in ragged batches; results in the order of ``rows``.
 
     Args:
@@ -246,7 +331,7 @@ def run_rows(
       rows: :class:`Row` s (non-empty ids inside the vocabulary, budgets >= 1).
       batch_size: B, rows per compiled call (>= 1).
       cache: a :class:`CacheSpec` for every batch, a function from the tokens a batch needs
-        (longest prompt + largest budget) to a spec, or None for a full fp32 cache of
+        (the largest prompt + budget of its rows) to a spec, or None for a full fp32 cache of
         ``full_cache_len`` of that.
       top_k, top_p: sampler settings shared by all rows (temperatures are per row).
       block: decode steps per compiled call. eos_id: stop token (None = never stop on one).
@@ -255,30 +340,43 @@ def run_rows(
       on_batch: called after each batch with the indices (into ``rows``) of its rows and the
         :class:`jaxkv.BatchGeneration` (rows in batch order, filler rows last; its ``cache``
         is the batch's final cache, e.g. for a memory report or to check shardings).
+      on_error: called as ``on_error(i, error)`` for each row that cannot run (checked before
+        any decoding: no tokens, ids outside the vocabulary, a budget < 1, a prompt longer than a
+        fixed full cache, prompt + budget past the int32 positions, a cache sized per batch that
+        would not fit in free memory for a full batch of that row); such a row is left out and
+        its result is None. None: the first such row raises.
     Returns:
-      one :class:`RowResult` per row.
+      one :class:`RowResult` per row (None for a row given to ``on_error``).
     Raises:
-      JaxkvError: bad arguments; CacheFullError: a prompt longer than a fixed full cache.
+      JaxkvError: bad arguments, or a row that cannot run (without ``on_error``); CacheFullError
+        (a JaxkvError): a prompt longer than a fixed full cache.
     """
     check_int("batch_size", batch_size, 1)
-    for r in rows:
-        if len(r.ids) == 0:
-            raise JaxkvError("run_rows: every prompt needs at least one token")
-        check_int("max_new_tokens", r.max_new_tokens, 1)
-        check_token_ids(r.ids, model.config.vocab_size)
+    limits = _RowLimits(model, cache, batch_size, mesh)
+    accepted = []
+    for i, r in enumerate(rows):
+        try:
+            limits.check(r)
+        except JaxkvError as e:
+            if on_error is None:
+                raise
+            on_error(i, e)
+            continue
+        accepted.append(i)
     stats = stats if stats is not None else BatchStats()
     t_start = time.perf_counter()
     if mesh is not None:
         model = parallel.shard_model(model, mesh)
     filler = Row(ids=[0], max_new_tokens=1)
     results: list[RowResult | None] = [None] * len(rows)
-    bar = _progress(len(rows), progress)
+    bar = _progress(len(accepted), progress)
     try:
-        for members in plan_batches(rows, batch_size):
+        for planned in plan_batches([rows[i] for i in accepted], batch_size):
+            members = [accepted[j] for j in planned]
             batch = [rows[i] for i in members]
             b = padded_batch_size(len(batch), batch_size, parallel.data_size(mesh))
             padded = batch + [filler] * (b - len(batch))
-            spec = resolve_cache(cache, max(len(r.ids) for r in batch) + max(r.max_new_tokens for r in batch))
+            spec = resolve_cache(cache, max(len(r.ids) + r.max_new_tokens for r in batch))
             sampler = Sampler(temperature=batch[0].temperature, top_k=top_k, top_p=top_p)
             out = prefill_and_decode(
                 model, new_cache(model.config, spec, b, mesh=mesh), [list(r.ids) for r in padded],
@@ -304,7 +402,7 @@ def run_rows(
     finally:
         bar.close()
     stats.wall_s += time.perf_counter() - t_start
-    return results  # type: ignore[return-value]
+    return results
 
 
 def _progress(total: int, enabled: bool):
@@ -357,11 +455,13 @@ def run_requests(
       seed: rows without a ``seed`` use ``(seed + index) mod 2**32``.
       cache: see :func:`run_rows`.
       chat: wrap each prompt in the model's chat template (as one user message).
-      on_error: called with each row skipped here (a prompt that does not fit a fixed full cache).
+      on_error: called with each row skipped here, before any decoding: a prompt the tokenizer
+        refuses, or a row :func:`run_rows` refuses (a prompt longer than a fixed full cache, a
+        budget the cache or the memory cannot hold).
       kwargs: passed to :func:`run_rows` (batch_size, top_k, top_p, block, eos_id, mesh, progress, stats,
         on_batch); ``eos_id`` defaults to the tokenizer's (pass None never to stop on a token).
     Returns:
-      ``(results, errors)``: one :class:`Result` per decoded request, and the rows skipped.
+      ``(results, errors)``: one :class:`Result` per decoded request, and the rows skipped (by line).
     """
     Sampler(temperature=temperature)  # validate the defaults before any work
     check_int("max_new_tokens", max_new_tokens, 1)
@@ -369,32 +469,35 @@ def run_requests(
     if tok is None:
         raise JaxkvError("run_requests: the model has no tokenizer (use run_rows with token ids)")
     kwargs.setdefault("eos_id", tok.eos_id)
-    fixed_limit = cache.token_limit if isinstance(cache, CacheSpec) else None
     rows, kept, errors = [], [], []
+
+    def skip(line: int, e: JaxkvError) -> None:
+        errors.append(LineError(line, str(e)))
+        if on_error is not None:
+            on_error(errors[-1])
+
     for req in requests:
         try:
             ids = encode_prompt(tok, req.prompt, chat=chat)
-            if fixed_limit is not None and len(ids) > fixed_limit:
-                raise JaxkvError(f"prompt of {len(ids)} tokens does not fit a full cache of max_len={fixed_limit}")
         except JaxkvError as e:
-            err = LineError(req.line, str(e))
-            errors.append(err)
-            if on_error is not None:
-                on_error(err)
+            skip(req.line, e)
             continue
         rows.append(Row(ids=ids, max_new_tokens=req.max_new_tokens or max_new_tokens,
                         temperature=temperature if req.temperature is None else req.temperature,
                         seed=(seed + req.index) % SEED_LIMIT if req.seed is None else req.seed))
         kept.append(req)
-    out = run_rows(model, rows, cache=cache, **kwargs) if rows else []
+    out = run_rows(model, rows, cache=cache, on_error=lambda i, e: skip(kept[i].line, e), **kwargs) if rows else []
     results = []
     for req, r in zip(kept, out):
+        if r is None:  # refused by run_rows (reported)
+            continue
         ids = r.token_ids
         results.append(Result(index=req.index, line=req.line, id=req.id, text=reply_text(tok, ids, r.finish_reason),
                               token_ids=ids,
                               finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
                               stored_tokens=r.stored_tokens))
     results.sort(key=lambda r: r.index)
+    errors.sort(key=lambda e: e.line)
     return results, errors
 
 
@@ -422,11 +525,11 @@ def run_file(
     batch) and only process 0 reports, shows progress and writes the output.
 
     Raises:
-      JaxkvError: unreadable input, an output directory that does not exist, or no valid row.
+      JaxkvError: unreadable input; an output that cannot be written (checked first, by
+        :func:`jaxkv.files.check_writable`; also the input file itself); no valid row, or no
+        row that could be decoded (nothing is written then).
     """
-    out_dir = os.path.dirname(os.path.abspath(os.fspath(output_path)))
-    if not os.path.isdir(out_dir):
-        raise JaxkvError(f"{output_path}: the directory {out_dir} does not exist")
+    check_writable(output_path, not_same_as=input_path)
     lead = parallel.is_lead()
     if not lead:
         report = lambda msg: None  # noqa: E731
@@ -440,6 +543,11 @@ def run_file(
     stats = kwargs.pop("stats", None) or BatchStats()
     results, skipped = run_requests(model, requests, stats=stats,
                                     on_error=lambda e: report(f"{name}: {e} (skipped)"), **kwargs)
+    if not results:
+        raise JaxkvError(f"{name}: no row could be decoded ({len(errors)} malformed, {len(skipped)} skipped)")
     if lead:
-        write_jsonl_atomic(output_path, (r.to_json() for r in results))
-    return results, errors + skipped, stats
+        try:
+            write_jsonl_atomic(output_path, (r.to_json() for r in results))
+        except OSError as e:
+            raise JaxkvError(f"{output_path}: cannot write the results ({e})") from None
+    return results, sorted(errors + skipped, key=lambda e: e.line), stats

@@ -215,3 +215,44 @@ def describe(mesh: Mesh | None) -> str:
 def is_lead() -> bool:
     """True in process 0 (the one that prints and writes files); always True on one host."""
     return jax.process_index() == 0
+
+
+def _host_free_bytes() -> float:
+    """This host's available memory (Linux ``MemAvailable``, else its physical memory; inf if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return math.inf
+
+
+def free_memory(mesh: Mesh | None = None) -> float:
+    """Bytes free for a KV cache spread over ``mesh`` (or put on the default device when None).
+
+    Per process: the free memory of its devices in the mesh (``bytes_limit - bytes_in_use``
+    of each; CPU devices report none and share the host's available memory), divided by the
+    share of the cache they hold. In a multi-process run every process computes it and all
+    take the smallest value, so that they make the same decisions (SPMD).
+
+    Returns:
+      bytes, a float (``inf`` when nothing is known).
+    """
+    devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()] if mesh is not None \
+        else jax.local_devices()[:1]
+    stats = [d.memory_stats() or {} for d in devices]
+    if all("bytes_limit" in s for s in stats):
+        local = float(sum(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats))
+    else:
+        local = _host_free_bytes()
+    free = local * (mesh.devices.size / len(devices) if mesh is not None else 1)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        free = float(np.min(multihost_utils.process_allgather(np.float32(min(free, 3e38)))))
+    return free
