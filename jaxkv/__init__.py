@@ -10,6 +10,8 @@ Public API::
     print(out.text, out.report())
 """
 
+import importlib.metadata as _metadata
+
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.memory import MemoryReport, memory_report
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
@@ -19,6 +21,11 @@ from jaxkv.errors import CacheFullError, JaxkvError, ModelFileError
 from jaxkv.io import LoadedModel, load_model
 from jaxkv.models.llama import Llama, LlamaConfig
 from jaxkv.models.step import forward
+
+try:
+    __version__ = _metadata.version("jaxkv")
+except _metadata.PackageNotFoundError:  # a source tree on the path, not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "CacheFullError",

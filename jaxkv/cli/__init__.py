@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxkv import __version__
 from jaxkv.cli import batch, bench, chat, info, ppl, sample
 from jaxkv.cli.flags import add_cache_flags, cache_spec_from_args
 from jaxkv.errors import JaxkvError
@@ -17,24 +18,34 @@ from jaxkv.errors import JaxkvError
 __all__ = ["add_cache_flags", "build_parser", "cache_spec_from_args", "main"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``jaxkv`` argument parser (every subcommand)."""
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="jaxkv", description="Long-context decoding with a bounded, quantised KV cache.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in (sample, chat, ppl, batch, bench, info):
         command.add_parser(sub)
-    return parser
+    return parser, sub.choices
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``jaxkv`` argument parser (every subcommand)."""
+    return _parsers()[0]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``jaxkv`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code (2 on a :class:`JaxkvError`)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run ``jaxkv`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
+
+    2 on a :class:`JaxkvError` (one line on stderr) and on bad flags (the subcommand's usage
+    and the error, as argparse prints them); 130 on Ctrl-C; else the subcommand's own (0).
+    """
+    parser, commands = _parsers()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top-level one
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        args.func(args)
+        return args.func(args) or 0
     except JaxkvError as e:
         print(f"jaxkv: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, cache_spec_from_args
-from jaxkv.decode import Sampler, parallel
+from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, cache_spec_from_args, sampler_from_args
+from jaxkv.decode import parallel
 from jaxkv.decode.batch import run_file
 from jaxkv.errors import JaxkvError, check_int
 from jaxkv.files import check_writable
@@ -18,26 +18,26 @@ def add_parser(sub) -> None:
     add_model_flags(b)
     b.add_argument("--input", required=True, metavar="JSONL", help='one {"prompt": ..., "max_new_tokens"?, "temperature"?, "seed"?, "id"?} per line')
     b.add_argument("--output", required=True, metavar="JSONL", help="results in input order (written atomically)")
-    b.add_argument("--batch-size", type=int, default=8, metavar="B", help="rows per compiled call (default 8)")
-    b.add_argument("--tokens", type=int, default=128, metavar="N", help="tokens per row at most, unless the row sets max_new_tokens (default 128)")
-    add_sampler_flags(b, temperature_help="default for rows without one; 0 = greedy (default)",
-                      seed_help="rows without a seed use seed + their index (default 0)")
-    b.add_argument("--block", type=int, default=32, metavar="N", help="decode steps per compiled call (default 32)")
-    b.add_argument("--shard", default=None, metavar="data|data,kv", help="shard over all devices: the batch axis (data), or also the KV heads (data,kv)")
+    b.add_argument("--batch-size", type=int, default=8, metavar="B", help="rows per compiled call (default: %(default)s)")
+    b.add_argument("--tokens", type=int, default=128, metavar="N", help="tokens per row at most, unless the row sets max_new_tokens (default: %(default)s)")
+    add_sampler_flags(b, temperature_help="for rows without one; 0 = greedy (default: %(default)s)",
+                      seed_help="rows without a seed use seed + their index, mod 2**32 (default: %(default)s)")
+    b.add_argument("--block", type=int, default=32, metavar="N", help="decode steps per compiled call (default: %(default)s)")
+    b.add_argument("--shard", default=None, metavar="data|data,kv", help="shard over all devices: the batch axis (data), or also the KV heads (data,kv) (default: none, one device)")
     add_tokenizer_flag(b)
     b.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     b.add_argument("--ignore-eos", action="store_true", help="do not stop a row at EOS (benchmarks: every row runs its budget)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("--distributed", action="store_true", help="one process per host: jax.distributed.initialize() (cluster auto-detected)")
-    b.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address (implies --distributed)")
-    b.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in the run (implies --distributed)")
-    b.add_argument("--process-id", type=int, default=None, metavar="I", help="this process, 0..N-1 (implies --distributed)")
+    b.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address (implies --distributed) (default: auto-detected)")
+    b.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in the run (implies --distributed) (default: auto-detected)")
+    b.add_argument("--process-id", type=int, default=None, metavar="I", help="this process, 0..N-1 (implies --distributed) (default: auto-detected)")
     add_cache_flags(b)
     b.set_defaults(func=run)
 
 
 def run(args) -> None:
-    Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # validate before loading
+    sampler_from_args(args, warn_greedy=False)  # validate (--seed too) before loading; rows may set a temperature
     for flag, value in (("--tokens", args.tokens), ("--batch-size", args.batch_size), ("--block", args.block)):
         check_int(flag, value, 1)
     if args.shard is not None and args.shard not in parallel.SHARD_MODES:

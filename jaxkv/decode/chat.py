@@ -62,7 +62,7 @@ from jaxkv.cache.memory import format_bytes, memory_report
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.decode.loop import FINISH_REASONS, new_cache, prefill_and_decode
 from jaxkv.decode.prompt import check_token_ids, reply_text
-from jaxkv.decode.sampler import Sampler
+from jaxkv.decode.sampler import SEED_LIMIT, Sampler
 from jaxkv.decode.text import text_stream
 from jaxkv.errors import CacheFullError, JaxkvError, check_int
 from jaxkv.io import LoadedModel
@@ -189,8 +189,9 @@ class ChatSession:
             )
         if not isinstance(sampler, Sampler):
             raise JaxkvError(f"ChatSession: sampler must be a jaxkv.Sampler, got {type(sampler).__name__}")
-        for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("block", block, 1), ("seed", seed, 0)):
-            check_int(f"ChatSession: {name}", value, low)
+        for name, value, low, high in (("max_new_tokens", max_new_tokens, 1, None), ("block", block, 1, None),
+                                       ("seed", seed, 0, SEED_LIMIT)):
+            check_int(f"ChatSession: {name}", value, low, high)
         if system is not None and not isinstance(system, str):
             raise JaxkvError(f"ChatSession: system={system!r}, expected a string or None")
         if cache is not None and not isinstance(cache, CacheSpec):

@@ -351,7 +351,8 @@ class BatchGeneration:
 
     Attributes:
       token_ids: B lists of generated ids (a stopping EOS included).
-      finish_reasons: B of ``eos``, ``length``, ``cache_full``.
+      finish_reasons: B of ``eos``, ``length``, ``cache_full`` (or a reason :func:`decode`'s
+        ``on_block`` gave: ``stop``, ``interrupted``).
       cache: the final :class:`KVCache` (B rows).
       prefill_s, decode_s, compile_s: wall seconds of prefill, decode (compile excluded) and compiling.
       logits: float32[B, V], the logits the first generated token of each row was drawn from
@@ -378,7 +379,7 @@ def decode(
     step: int = 0,
     block: int = 32,
     eos_id: int | None = None,
-    on_block: Callable[[np.ndarray], None] | None = None,
+    on_block: Callable[[np.ndarray], bool | str | None] | None = None,
 ) -> BatchGeneration:
     """Sample from a prefilled cache until every row stops (EOS, its token budget, or a full cache).
 
@@ -389,7 +390,9 @@ def decode(
       sampler, seed: the next-token rule and PRNG seed (or B seeds, one per row); ``step`` is the position in the PRNG
         stream (continue a conversation with the previous call's ``step + tokens sampled``).
       block: decode steps per compiled call. eos_id: stop token (None = never stop on a token).
-      on_block: called with each block's tokens, int32[B, block] (-1 = no token).
+      on_block: called with each block's tokens, int32[B, block] (-1 = no token). A true
+        return value ends decoding there: the rows still running finish with that reason (a
+        string, e.g. ``interrupted``; True means ``stop``, for a stop string).
     Returns:
       a :class:`BatchGeneration` (``prefill_s`` 0). The last sampled token of each row is
       *not* in the cache: feed it first when continuing.
@@ -398,7 +401,7 @@ def decode(
     compiled, compile_s = _compile(graphdef, args, sampler, block, eos_id)
     state, cache, loop, max_new, rng = args
     ids: list[list[int]] = [[] for _ in range(cache.batch)]
-    decode_s = 0.0
+    decode_s, stopped = 0.0, None
     while True:
         t1 = time.perf_counter()
         cache, loop, out = compiled(state, cache, loop, max_new, rng)
@@ -406,11 +409,13 @@ def decode(
         decode_s += time.perf_counter() - t1
         for row, toks in zip(ids, out):
             row.extend(int(i) for i in toks if i >= 0)
-        if on_block is not None:
-            on_block(out)
+        if on_block is not None and (stopped := on_block(out)):
+            stopped = "stop" if stopped is True else stopped
+            break
         if bool(np.all(to_host(loop.done))):
             break
-    reasons = [FINISH_REASONS[int(r)] for r in to_host(loop.reason)]
+    reasons = [FINISH_REASONS[int(r)] if done or not stopped else stopped
+               for r, done in zip(to_host(loop.reason), to_host(loop.done))]
     return BatchGeneration(
         token_ids=ids, finish_reasons=reasons, cache=cache, prefill_s=0.0, decode_s=decode_s, compile_s=compile_s
     )

@@ -1,4 +1,4 @@
-"""Prompts in and replies out: chat-template wrapping, empty prompt -> BOS, token-id checks, reply text."""
+"""Prompts in and replies out: chat-template wrapping, empty prompt -> BOS, token-id checks, stop strings, reply text."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def encode_prompt(tokenizer, prompt: str, *, chat: bool = False) -> list[int]:
       JaxkvError: an empty prompt and a tokenizer without BOS; no chat template (with ``chat``).
     """
     if chat:
-        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]), add_bos=False)
+        ids = tokenizer.encode(prompt_text(tokenizer, prompt, chat=True), add_bos=False)
     else:
         ids = tokenizer.encode(prompt)
     if not ids:
@@ -30,6 +30,29 @@ def encode_prompt(tokenizer, prompt: str, *, chat: bool = False) -> list[int]:
             raise JaxkvError("empty prompt and the tokenizer has no BOS token to start from")
         ids = [tokenizer.bos_id]
     return ids
+
+
+def prompt_text(tokenizer, prompt: str, *, chat: bool = False) -> str:
+    """The text :func:`encode_prompt` encodes: ``prompt`` itself, or with ``chat`` the chat
+    template's rendering of it as one user message (special tokens as text).
+
+    Raises:
+      JaxkvError: no chat template (with ``chat``).
+    """
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``stop`` (None, one string, or a list or tuple of them) as a tuple of stop strings.
+
+    Raises:
+      JaxkvError: an empty string, or something that is not a string.
+    """
+    stops = tuple(stop) if isinstance(stop, (list, tuple)) else () if stop is None else (stop,)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise JaxkvError(f"stop string {s!r}: expected a non-empty string")
+    return stops
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "token id") -> None:

@@ -12,6 +12,8 @@ from jax import lax
 
 from jaxkv.errors import JaxkvError, check_int
 
+SEED_LIMIT = 2**32  # seeds are uint32: PRNGKey(2**32) would be PRNGKey(0), PRNGKey(-1) PRNGKey(2**32 - 1)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampler:
@@ -62,11 +64,12 @@ def prng_keys(seed, batch: int):
     for B seeds (each row's draws then depend only on its own seed, not on its batch).
 
     Raises:
-      JaxkvError: a seed list whose length is not ``batch``, or seeds that are not integers.
+      JaxkvError: a seed list whose length is not ``batch``, seeds that are not integers, or
+      seeds outside ``[0, 2**32)`` (refused, not wrapped).
     """
     if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-        return jax.random.PRNGKey(seed)
+        return jax.random.PRNGKey(check_int("seed", seed, 0, SEED_LIMIT))
     seeds = list(seed)
     if len(seeds) != batch or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in seeds):
         raise JaxkvError(f"seed: expected an integer or {batch} integers (one per row), got {seed!r}")
-    return jnp.stack([jax.random.PRNGKey(int(s)) for s in seeds])
+    return jnp.stack([jax.random.PRNGKey(check_int(f"seed[{i}]", s, 0, SEED_LIMIT)) for i, s in enumerate(seeds)])

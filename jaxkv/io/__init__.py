@@ -149,12 +149,26 @@ class LoadedModel:
       model: the ``nnx.Module`` (e.g. :class:`jaxkv.models.llama.Llama`; parameters as ``nnx.Param``).
       tokenizer: the :class:`jaxkv.io.tokenizer.Tokenizer`.
       path: the file it came from (None for models built in memory).
+    Raises:
+      JaxkvError: a module whose static attributes (its config, ...) are not hashable:
+        ``jax.jit`` compiles the module's graph as a static argument.
     """
 
     config: Any
     model: nnx.Module
     tokenizer: Tokenizer
     path: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.model, nnx.Module):
+            try:
+                hash(nnx.split(self.model)[0])
+            except TypeError as e:
+                raise JaxkvError(
+                    f"LoadedModel: {type(self.model).__name__} holds a value jax.jit cannot hash ({e}): the module's "
+                    "static attributes, its config included, must be hashable; make the config a frozen dataclass, "
+                    "@dataclasses.dataclass(frozen=True)"
+                ) from None
 
 
 def load_model(path: str | os.PathLike | None = None, *, tokenizer: str | os.PathLike | None = None, dtype=jnp.float32) -> LoadedModel:
