@@ -36,6 +36,7 @@ from safetensors import safe_open
 
 from jaxkv.errors import JaxkvError, ModelFileError
 from jaxkv.io import registry
+from jaxkv.io._finite import check_finite
 from jaxkv.io.tokenizer import Tokenizer
 
 CONFIG = "config.json"
@@ -151,8 +152,8 @@ def load_hf_weights(folder: str, config) -> dict[str, np.ndarray]:
     per-layer weights stacked on L).
 
     Raises:
-      ModelFileError: a missing shard or tensor, a tensor of the wrong shape, or a bias
-        tensor the family does not read (named).
+      ModelFileError: a missing shard or tensor, a tensor of the wrong shape or holding a
+        NaN or an infinity, or a bias tensor the family does not read (named).
     """
     family = registry.family_of(config)
     fmt = family.hf
@@ -168,7 +169,9 @@ def load_hf_weights(folder: str, config) -> dict[str, np.ndarray]:
             raise ModelFileError(
                 f"{shard.path}: tensor {hf_name!r} has shape {tuple(a.shape)}, expected {tuple(expected)} for {config.name}"
             )
-        return (a.T if matrix else a).astype(np.float32)
+        a = a.astype(np.float32)
+        check_finite(shard.path, hf_name, a)
+        return a.T if matrix else a
 
     shapes = family.weight_shapes(config)
     weights, read_names = {}, set()
