@@ -327,13 +327,13 @@ def test_gguf_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
         load_gguf(path)
     assert str(e.value) == (
         "nan-scale.gguf: tensor 'blk.1.attn_k.weight' holds 32 non-finite values (NaN or infinity) of 512, "
-        "the first at index [1, 0]: the file is corrupt"
+        "the first at index [1, 0]"
     )
     path = tmp_path / "inf.gguf"
     write_tiny_gguf(path)
     patch_tensor(path, "output_norm.weight", 4 * 5, np.float32(-np.inf).tobytes())
     with pytest.raises(ModelFileError, match=r"^inf.gguf: tensor 'output_norm.weight' holds 1 non-finite value "
-                                             r"\(NaN or infinity\) of 32, the first at index \[5\]: the file is corrupt$"):
+                                             r"\(NaN or infinity\) of 32, the first at index \[5\]$"):
         load_model_files(path)
 
 
@@ -348,7 +348,7 @@ def test_llama2c_non_finite_weight_is_refused_naming_the_tensor(tmp_path):
         load_llama2c(path)
     assert str(e.value) == (
         "stories260K.bin: tensor 'wq' holds 1 non-finite value (NaN or infinity) of 20,480, the first at index "
-        "[3, 0, 7]: the file is corrupt"
+        "[3, 0, 7]"
     )
 
 
@@ -392,7 +392,7 @@ def test_cli_refuses_a_gguf_with_a_nan_weight_in_one_line(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert out == "" and err == (
         "jaxkv: error: nan.gguf: tensor 'blk.0.ffn_up.weight' holds 32 non-finite values (NaN or infinity) of 2,048, "
-        "the first at index [0, 0]: the file is corrupt\n"
+        "the first at index [0, 0]\n"
     )
 
 

@@ -19,9 +19,8 @@ from typing import Any
 import gguf
 import numpy as np
 
-from jaxkv.errors import JaxkvError, ModelFileError
+from jaxkv.errors import JaxkvError, ModelFileError, check_finite
 from jaxkv.io import registry
-from jaxkv.io._finite import check_finite
 from jaxkv.io.tokenizer import Tokenizer
 from jaxkv.models.blocks import interleaved_to_rotate_half
 
@@ -85,7 +84,7 @@ def _dequantize(name: str, tensor: gguf.ReaderTensor) -> np.ndarray:
     (a NaN in one Q4_1 scale is a NaN in every value of its block)."""
     _check_type(name, tensor)
     values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
-    check_finite(name, tensor.name, values)
+    check_finite(f"{name}: tensor {tensor.name!r}", values, ModelFileError)
     return values
 
 

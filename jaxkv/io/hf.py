@@ -34,9 +34,8 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from jaxkv.errors import JaxkvError, ModelFileError
+from jaxkv.errors import JaxkvError, ModelFileError, check_finite
 from jaxkv.io import registry
-from jaxkv.io._finite import check_finite
 from jaxkv.io.tokenizer import Tokenizer
 
 CONFIG = "config.json"
@@ -170,7 +169,7 @@ def load_hf_weights(folder: str, config) -> dict[str, np.ndarray]:
                 f"{shard.path}: tensor {hf_name!r} has shape {tuple(a.shape)}, expected {tuple(expected)} for {config.name}"
             )
         a = a.astype(np.float32)
-        check_finite(shard.path, hf_name, a)
+        check_finite(f"{shard.path}: tensor {hf_name!r}", a, ModelFileError)
         return a.T if matrix else a
 
     shapes = family.weight_shapes(config)

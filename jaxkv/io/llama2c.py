@@ -16,9 +16,8 @@ import os
 
 import numpy as np
 
-from jaxkv.errors import ModelFileError
+from jaxkv.errors import ModelFileError, check_finite
 from jaxkv.io import registry
-from jaxkv.io._finite import check_finite
 from jaxkv.models.blocks import interleaved_to_rotate_half
 from jaxkv.models.llama import LlamaConfig
 
@@ -120,7 +119,7 @@ def load_llama2c(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.nda
     weights = {}
     for key in family.weight_shapes(config):
         w = arrays[fmt.tensors[key]]
-        check_finite(name, fmt.tensors[key], w)
+        check_finite(f"{name}: tensor {fmt.tensors[key]!r}", w, ModelFileError)
         w = np.swapaxes(w, -1, -2) if key in fmt.linear else w  # [L, out, in] -> [L, in, out]
         if key in fmt.interleaved:
             n_heads = getattr(config, fmt.interleaved[key])
