@@ -391,17 +391,13 @@ def test_a_short_chat_file_holds_its_live_slots_only_and_resumes_identically(tmp
     assert loaded.transcript_ids == session.transcript_ids
 
 
-def test_a_used_up_full_cache_saves_and_loads():
+def test_a_used_up_full_cache_saves_and_loads(tmp_path):
     """A reply stopped by a full cache: the cache holds every token but the pending one, as after any turn."""
-    import tempfile
-
     session = ChatSession(stories_chat(), CacheSpec(max_len=40), max_new_tokens=100)
     session.send("Hello there")
-    assert session.finish_reason == "cache_full"
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "full.safetensors")
-        session.save(path)
-        assert ChatSession.load(path, stories_chat()).transcript_ids == session.transcript_ids
+    assert session.finish_reason == "cache_full" and session.tokens_seen == 40 == len(session.transcript_ids) - 1
+    session.save(tmp_path / "full.safetensors")
+    assert ChatSession.load(tmp_path / "full.safetensors", stories_chat()).transcript_ids == session.transcript_ids
 
 
 GOLDEN_FP32 = REPO / "tests" / "data" / "chat-v2-fp32.chat"  # sink 4 + window 16, 61 tokens in the cache, 2 turns
@@ -459,6 +455,8 @@ CRAFTED = {  # a valid checksum, and one field that no chat file holds -> the me
     "negative-turns": ({"state": {"turns": -1}}, "state.turns=-1: expected an integer >= 0"),
     "pending-not-last": ({"state": {"pending": 7}}, "state.pending=7 is not the last of state.last_reply_ids"),
     "not-started": ({"state": {"turns": 0}}, "state.turns=0 with pending=261, finish_reason='length' and 6"),
+    "transcript-before-any-turn": ({"state": {"turns": 0, "pending": None, "finish_reason": None, "last_reply_ids": [],
+                                              "messages": []}}, "state.turns=0 with a transcript of 62 tokens"),
     "roles": ({"state": {"messages": [{"role": "user", "content": "Hi"}]}}, 'state.messages: roles ["user"], expected'),
     "sampler": ({"state": {"sampler": {"temperature": -1}}}, "state.sampler: temperature=-1: expected a finite number"),
     "negative-length": ({"tensors": {"cache.length": np.array([-5], np.int32)}}, "cache.length = [-5]: a negative token count"),

@@ -40,11 +40,11 @@ cache holds: a short chat with the 1,024-slot default cache is a few MB, not 47)
 conversation's token ids, and string metadata (counters, the pending token, sampler, messages,
 and the model's identity: config fields, parameter dtype, tokenizer ids, a hash of the chat
 template, a SHA-256 of the embedding weights plus strided samples of every other weight). A
-cache with no empty slot is written as ``jaxkv-chat/2`` (every leaf whole), the same arrays and
-metadata as before; both are read. :meth:`ChatSession.load` refuses a file for another model or cache spec
-(naming what differs), and a truncated, corrupt or inconsistent one (every field checked: a
-missing entry, a count, a token id, a cache length unlike the transcript's) with a
-:class:`JaxkvError` naming the file and the field.
+cache with no empty slot is written as ``jaxkv-chat/2`` (every leaf whole), the same arrays
+and metadata as before; both are read. :meth:`ChatSession.load` refuses a file for another
+model or cache spec (naming what differs), and a truncated, corrupt or inconsistent one
+(every field checked: a missing entry, a count, a token id, a cache length unlike the
+transcript's) with a :class:`JaxkvError` naming the file and the field.
 """
 
 from __future__ import annotations
@@ -416,11 +416,13 @@ class ChatSession:
             raise corrupt("expected one int32[N] transcript beside the cache")
         ids = [*transcript.tolist(), *state["last_reply_ids"], *([] if state["pending"] is None else [state["pending"]])]
         check_token_ids(ids, model.config.vocab_size, f"{path}: corrupt jaxkv chat file: token id")
-        reply, held = state["last_reply_ids"], int(np.asarray(kv.length)[0])
+        reply, held, started = state["last_reply_ids"], int(np.asarray(kv.length)[0]), state["pending"] is not None
         if transcript.size < len(reply) or transcript[transcript.size - len(reply):].tolist() != reply:
             raise corrupt(f"the transcript of {transcript.size} tokens does not end with state.last_reply_ids {_short(reply)}")
-        if held != max(transcript.size - 1, 0):
-            raise corrupt(f"the cache holds {held} tokens, expected {max(transcript.size - 1, 0)}: the transcript's "
+        if not started and transcript.size:
+            raise corrupt(f"state.turns=0 with a transcript of {transcript.size} tokens")
+        if held != transcript.size - started:
+            raise corrupt(f"the cache holds {held} tokens, expected {transcript.size - started}: the transcript's "
                           f"{transcript.size} less the pending last token")
         session._cache = kv
         session._transcript = [int(i) for i in transcript]
