@@ -38,3 +38,24 @@ def check_int(name: str, value, minimum: int, maximum: int | None = None, *, spa
         bound = f"in [{minimum}, {maximum})" if maximum is not None else f">= {minimum}"
         raise JaxkvError(f"{shown}: expected an integer {bound}")
     return int(value)
+
+
+def check_finite(name: str, values, error: type[JaxkvError] = JaxkvError) -> None:
+    """Refuse an array holding a NaN or an infinity (a weight, a cached key or value).
+
+    Args:
+      name: what to call the array in the message (``model.gguf: tensor 'blk.3.attn_q.weight'``).
+      values: a float array (NumPy, or anything ``np.isfinite`` takes).
+      error: the error class to raise (e.g. :class:`ModelFileError`).
+    Raises:
+      error: ``NAME holds N non-finite values (NaN or infinity) of M, the first at index [i, j]``.
+    """
+    import numpy as np
+
+    finite = np.isfinite(values)
+    if finite.all():
+        return
+    bad = finite.size - np.count_nonzero(finite)
+    first = [int(i) for i in np.unravel_index(np.argmin(finite), finite.shape)]
+    raise error(f"{name} holds {bad:,} non-finite value{'s' if bad > 1 else ''} (NaN or infinity) of {finite.size:,}, "
+                f"the first at index {first}")

@@ -275,7 +275,9 @@ def test_load_refuses_other_models_specs_and_damaged_files(tmp_path):
 def test_jaxkv_chat_2_files_written_before_the_checkpoint_module_still_load(tmp_path, storage):
     """tests/data/chat-v2-*.chat (safetensors files) were written by ChatSession.save as of 5cfd819 (before the
     save/load moved to jaxkv.cache.checkpoint): they load, continue identically, and re-save the
-    same arrays and metadata (checksum included)."""
+    same arrays and metadata (checksum included): their caches have no empty slot, so they stay
+    jaxkv-chat/2, except the int4 one, whose residual holds 1 of its 8 tokens: re-saved, its
+    ring_pos is stored as its live prefix (jaxkv-chat/3), all else as it was."""
     import safetensors
 
     golden = REPO / "tests" / "data" / f"chat-v2-{storage}.chat"
@@ -286,8 +288,18 @@ def test_jaxkv_chat_2_files_written_before_the_checkpoint_module_still_load(tmp_
     for_both = []
     for path in (golden, tmp_path / "again.safetensors"):
         with safetensors.safe_open(str(path), framework="np") as f:
-            for_both.append((f.metadata(), {k: f.get_tensor(k).tobytes() for k in f.keys()}))
+            for_both.append((f.metadata(), {k: f.get_tensor(k) for k in f.keys()}))
+    if storage == "int4":
+        (meta, arrays), (again_meta, again) = for_both
+        assert again_meta.pop("format") == "jaxkv-chat/3" and meta.pop("format") == "jaxkv-chat/2"
+        assert json.loads(again_meta.pop("prefixes")) == {"cache.ring_pos": [1, 2**32 - 1]}  # -1 beyond slot 0
+        assert again.pop("cache.ring_pos").tolist() == [[60]] and arrays.pop("cache.ring_pos")[0, 1:].tolist() == [-1] * 7
+        del meta["checksum"], again_meta["checksum"]
+    for_both = [(meta, {k: a.tobytes() for k, a in arrays.items()}) for meta, arrays in for_both]
     assert for_both[0] == for_both[1]
+    reloaded = ChatSession.load(tmp_path / "again.safetensors", stories_chat())
+    for a, b in zip(jax.tree.leaves(reloaded.cache), jax.tree.leaves(session.cache)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
     assert session.send("More") == expected["next"]
     stats = session.stats()  # the spec's repr grows with later CacheSpec fields: compare the spec as one
     assert str(dataclasses.replace(stats, spec=None)) == expected["stats"].split(", spec=")[0] + ", spec=None)"
@@ -314,6 +326,218 @@ def test_cache_checkpoint_round_trips_any_cache_and_refuses_mismatches(tmp_path)
             load_cache(path, new_cache(loaded.config, spec, 1))
         with pytest.raises(JaxkvError, match="not a jaxkv cache file"):
             load_cache(path, cache, file_format="jaxkv-other/1")
+
+
+def test_cache_checkpoint_live_prefixes_round_trip_bit_for_bit(tmp_path):
+    """With a prefix_format, leaves are stored up to their last slot that is not an empty slot's
+    value (along the axis that saves most): float, KIVI (codes, group scales), full and per-layer
+    caches of ragged rows read back bit for bit; a cache with no empty slot keeps the whole format."""
+    import safetensors
+
+    from jaxkv.cache.checkpoint import load_cache, save_cache
+    from jaxkv.cache.spec import LayerSpecs
+    from jaxkv.decode import new_cache, prefill
+
+    loaded = stories_chat()
+    layered = LayerSpecs((CacheSpec(window=8, sink=0),) * 2 + (SPEC16,) * 3)
+    prompts = [[1, 5, 9, 3, 8, 2, 7, 4, 6, 5, 9, 3, 8, 2, 7], [1, 7]]
+    for spec in (SPEC16, KIVI, CacheSpec(max_len=64, kv_quantize="bf16"), layered):
+        cache, _ = prefill(loaded, new_cache(loaded.config, spec, 2), prompts)
+        path = tmp_path / "cache.safetensors"
+        save_cache(path, cache, prefix_format="jaxkv-cache/2")
+        with safetensors.safe_open(str(path), framework="np") as f:
+            meta, stored = f.metadata(), {k: f.get_tensor(k).size for k in f.keys()}
+        assert meta["format"] == "jaxkv-cache/2" and json.loads(meta["prefixes"])
+        assert sum(stored.values()) < sum(np.asarray(x).size for x in jax.tree.leaves(cache)) * 3 // 4, stored
+        back, _, _ = load_cache(path, new_cache(loaded.config, spec, 2), prefix_format="jaxkv-cache/2")
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(cache), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(np.asarray(a), np.asarray(b))
+        with pytest.raises(JaxkvError, match=r"format 'jaxkv-cache/2', expected 'jaxkv-cache/1'\)$"):
+            load_cache(path, new_cache(loaded.config, spec, 2))
+    full, _ = prefill(loaded, new_cache(loaded.config, SPEC16, 1), [list(range(1, 30))])
+    save_cache(tmp_path / "full.safetensors", full, prefix_format="jaxkv-cache/2")
+    save_cache(tmp_path / "whole.safetensors", full)
+    files = []
+    for name in ("full", "whole"):
+        with safetensors.safe_open(str(tmp_path / f"{name}.safetensors"), framework="np") as f:
+            files.append((f.metadata(), {k: f.get_tensor(k).tobytes() for k in f.keys()}))
+    assert files[0] == files[1] and files[0][0]["format"] == "jaxkv-cache/1"
+
+
+@pytest.mark.parametrize("kv_quantize", ["fp32", "int4"])
+def test_a_short_chat_file_holds_its_live_slots_only_and_resumes_identically(tmp_path, kv_quantize):
+    """The default chat cache (sink 4 + window 508 here; 1,024 slots for SmolLM2) after two short
+    turns: the file (jaxkv-chat/3) grows with the tokens held, not the slots, and reads back
+    bit for bit (every leaf), so the resumed chat continues identically."""
+    model = stories_chat()
+    spec = default_cache_spec(model.config, kv_quantize=kv_quantize)
+    session = ChatSession(model, spec, max_new_tokens=8)
+    converse(session, MESSAGES[:2])
+    path = tmp_path / "chat.safetensors"
+    session.save(path)
+    held = session.stats().tokens_stored
+    c = model.config
+    per_token = c.n_layers * c.n_kv_heads * c.head_dim * 4 * 2  # float32 keys and values
+    assert 30 < held == session.tokens_seen < 100
+    assert path.stat().st_size < held * per_token + 16 * 1024 < spec.capacity * per_token // 4
+    import safetensors
+
+    with safetensors.safe_open(str(path), framework="np") as f:
+        assert f.metadata()["format"] == "jaxkv-chat/3"
+    loaded = ChatSession.load(path, model)
+    for a, b in zip(jax.tree.leaves(loaded.cache), jax.tree.leaves(session.cache), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(np.asarray(a), np.asarray(b))
+    assert loaded.send("More") == session.send("More")
+    assert loaded.transcript_ids == session.transcript_ids
+
+
+def test_a_used_up_full_cache_saves_and_loads(tmp_path):
+    """A reply stopped by a full cache: the cache holds every token but the pending one, as after any turn."""
+    session = ChatSession(stories_chat(), CacheSpec(max_len=40), max_new_tokens=100)
+    session.send("Hello there")
+    assert session.finish_reason == "cache_full" and session.tokens_seen == 40 == len(session.transcript_ids) - 1
+    session.save(tmp_path / "full.safetensors")
+    assert ChatSession.load(tmp_path / "full.safetensors", stories_chat()).transcript_ids == session.transcript_ids
+
+
+GOLDEN_FP32 = REPO / "tests" / "data" / "chat-v2-fp32.chat"  # sink 4 + window 16, 61 tokens in the cache, 2 turns
+
+
+DELETE = object()
+
+
+def craft(path, *, state=None, meta=None, tensors=None, source=GOLDEN_FP32):
+    """A copy of the chat file ``source`` with ``state`` fields, metadata entries or tensors replaced
+    (by a value, or a function of the old one; DELETE deletes the entry), its checksum recomputed
+    so that it passes."""
+    import safetensors.numpy
+
+    from jaxkv.cache.checkpoint import _checksum
+
+    with open(source, "rb") as f:
+        blob = f.read()
+    header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
+    arrays = dict(safetensors.numpy.load(blob))
+    if state is not None:
+        fields = json.loads(header["state"])
+        header["state"] = json.dumps({k: v for k, v in {**fields, **state}.items() if v is not DELETE})
+    for entries, new in ((header, meta or {}), (arrays, tensors or {})):
+        for key, value in new.items():
+            if value is DELETE:
+                del entries[key]
+            else:
+                entries[key] = value(entries[key]) if callable(value) else value
+    arrays = {k: np.ascontiguousarray(a) for k, a in arrays.items()}
+    header["checksum"] = _checksum(arrays, header)
+    with open(path, "wb") as f:
+        f.write(safetensors.numpy.save(arrays, metadata=header))
+    return path
+
+
+def edited(index, value):
+    """A tensor edit for :func:`craft`: a copy of the tensor with ``value`` at ``index``."""
+
+    def edit(a):
+        a = a.copy()
+        a[index] = value
+        return a
+
+    return edit
+
+
+CRAFTED = {  # a valid checksum, and one field that no chat file holds -> the message after "corrupt jaxkv chat ... file ("
+    "no-state-key": ({"state": {"turns": DELETE}}, "state has no 'turns'"),
+    "unknown-state-key": ({"state": {"mood": "happy"}}, "state has an unknown field 'mood'"),
+    "no-model": ({"meta": {"model": DELETE}}, "no 'model' entry"),
+    "model-list": ({"meta": {"model": "[1, 2]"}}, "model: expected a JSON object, got [1, 2]"),
+    "no-spec": ({"meta": {"spec": DELETE}}, "no 'spec' entry"),
+    "spec-list": ({"meta": {"spec": "[4, 16]"}}, "spec: expected a JSON object of CacheSpec fields, got [4, 16]"),
+    "negative-turns": ({"state": {"turns": -1}}, "state.turns=-1: expected an integer >= 0"),
+    "pending-not-last": ({"state": {"pending": 7}}, "state.pending=7 is not the last of state.last_reply_ids"),
+    "not-started": ({"state": {"turns": 0}}, "state.turns=0 with pending=261, finish_reason='length' and 6"),
+    "transcript-before-any-turn": ({"state": {"turns": 0, "pending": None, "finish_reason": None, "last_reply_ids": [],
+                                              "messages": []}}, "state.turns=0 with a transcript of 62 tokens"),
+    "roles": ({"state": {"messages": [{"role": "user", "content": "Hi"}]}}, 'state.messages: roles ["user"], expected'),
+    "sampler": ({"state": {"sampler": {"temperature": -1}}}, "state.sampler: temperature=-1: expected a finite number"),
+    "negative-length": ({"tensors": {"cache.length": np.array([-5], np.int32)}}, "cache.length = [-5]: a negative token count"),
+    "length-vs-transcript": ({"tensors": {"cache.length": np.array([70], np.int32)}},
+                             "the cache holds 70 tokens, expected 61: the transcript's 62 less the pending last token"),
+    "position-out-of-range": ({"tensors": {"cache.ring_pos": edited((0, 0), 999)}},
+                              "cache.ring_pos[0, 0] = 999: expected -1 (empty) or a position in [4, 61) (row 0 holds 61 tokens)"),
+    "later-token-in-a-sink": ({"tensors": {"cache.sink_pos": edited((0, 3), 40)}},
+                              "cache.sink_pos[0, 3] = 40: expected -1 (empty) or a position in [0, 4)"),
+    "position-twice": ({"tensors": {"cache.ring_pos": edited((0, 1), 52)}}, "position 52 is stored 2 times in row 0"),
+    "nan-value": ({"tensors": {"cache.sink_v": edited((2, 0, 1, 3, 5), np.nan)}},
+                  "cache.sink_v holds 1 non-finite value (NaN or infinity) of 640, the first at index [2, 0, 1, 3, 5])"),
+    "wrong-dtype": ({"tensors": {"cache.ring_pos": lambda a: a.astype(np.int64)}},
+                    "cache.ring_pos is int64[1, 16], expected int32[1, 16]"),
+    "wrong-shape": ({"tensors": {"cache.ring_k": lambda a: a[:, :, :, :15]}},
+                    "cache.ring_k is float32[5, 1, 4, 15, 8], expected float32[5, 1, 4, 16, 8]"),
+    "token-id": ({"tensors": {"transcript": edited(3, 9999)}}, "token id 9999"),
+    "unknown-prefix": ({"meta": {"format": "jaxkv-chat/3", "prefixes": '{"cache.nope": [1, 0]}'}},
+                       "prefixes: 'cache.nope' is not an array of the cache"),
+    "prefix-too-long": ({"meta": {"format": "jaxkv-chat/3", "prefixes": '{"cache.ring_pos": [1, 4294967295]}'}},
+                        "cache.ring_pos is int32[1, 16], expected a prefix along axis 1 of int32[1, 16]"),
+    "prefix-fill": ({"meta": {"format": "jaxkv-chat/3", "prefixes": '{"cache.ring_pos": [1, 4294967296]}'},
+                     "tensors": {"cache.ring_pos": lambda a: a[:, :3]}},
+                    "prefixes: cache.ring_pos: fill 4294967296 does not fit its 4 bytes"),
+    "prefixes-without-format": ({"meta": {"format": "jaxkv-chat/3"}}, "format 'jaxkv-chat/3' without its 'prefixes' entry"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_cli_refuses_a_crafted_chat_file_in_one_line_naming_the_field(tmp_path, capsys, case):
+    """Each file passes the checksum; ``jaxkv chat --cache-file`` exits 2 with one line naming the
+    field, reads no message, and leaves the file as it was."""
+    from jaxkv.cli import main
+
+    edits, message = CRAFTED[case]
+    path = craft(tmp_path / f"{case}.chat", **edits)
+    before = path.read_bytes()
+    assert main(["chat", *STORIES_CHAT_ARGV, "--tokens", "3", "--cache-file", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith(f"jaxkv: error: {path}: corrupt jaxkv chat"), err
+    assert message in err and "Traceback" not in err, err
+    assert path.read_bytes() == before and os.listdir(tmp_path) == [path.name]
+
+
+def test_the_console_script_refuses_a_crafted_chat_file(tmp_path, jax_cache):
+    path = craft(tmp_path / "negative.chat", tensors={"cache.length": np.array([-5], np.int32)})
+    before = path.read_bytes()
+    out = run_chat(jax_cache, *STORIES_CHAT_ARGV, "--cache-file", str(path), stdin="Hello\n")
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == (f"jaxkv: error: {path}: corrupt jaxkv chat cache file (cache.length = [-5]: a negative "
+                          "token count)\n")
+    assert path.read_bytes() == before and os.listdir(tmp_path) == [path.name]
+
+
+def test_another_model_is_named_in_one_short_line(tmp_path):
+    tiny = tiny_model()
+    other = LoadedModel(config=tiny.config, model=tiny, tokenizer=stories_chat().tokenizer)
+    with pytest.raises(JaxkvError) as e:
+        ChatSession.load(GOLDEN_FP32, other, chat_template=TEMPLATE)
+    message = str(e.value)
+    assert "\n" not in message and len(message) < 500, message
+    assert re.fullmatch(
+        f"{re.escape(str(GOLDEN_FP32))} was saved for another model \\(config, weights_sha256 differ: config.dim: file 64, "
+        "this model 32; config.hidden_dim: file 172, this model 48; config.max_seq_len: file 512, this model 2048; "
+        "config.n_heads: file 8, this model 4; config.n_kv_heads: file 4, this model 2; config.n_layers: file 5, this "
+        "model 2; and 2 more\\): load it with the model it was written for, or delete it to start over", message)
+
+
+def test_checkpoint_refuses_a_full_cache_holding_more_than_max_len(tmp_path):
+    from jaxkv.cache.checkpoint import load_cache, save_cache
+    from jaxkv.decode import new_cache, prefill
+
+    model = stories_chat()
+    spec = CacheSpec(max_len=16)
+    cache, _ = prefill(model, new_cache(model.config, spec, 1), [[1, 5, 9]])
+    save_cache(tmp_path / "ok.safetensors", cache)
+    save_cache(tmp_path / "over.safetensors", cache.replace(length=cache.length + 14))
+    assert int(load_cache(tmp_path / "ok.safetensors", new_cache(model.config, spec, 1))[0].length[0]) == 3
+    with pytest.raises(JaxkvError, match=r"over.safetensors: corrupt jaxkv cache file \(cache.length = \[17\]: more tokens "
+                                         r"than the full cache's max_len=16\)$"):
+        load_cache(tmp_path / "over.safetensors", new_cache(model.config, spec, 1))
 
 
 @pytest.mark.parametrize("fail", ["replace", "fsync"])

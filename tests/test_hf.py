@@ -484,3 +484,17 @@ def test_a_bias_the_family_does_not_read_is_refused(tmp_path):
     folder = write_folder(str(tmp_path / "o-bias"), cfg, tensors, tokenizer=byte_tokenizer(["<s>", "</s>"]))
     with pytest.raises(ModelFileError, match=r"'model\.layers\.0\.self_attn\.o_proj\.bias' is a bias"):
         load_model(folder)
+
+
+def test_a_non_finite_weight_is_refused_naming_the_shard_and_tensor(tmp_path):
+    cfg = {**LLAMA_CFG, "num_hidden_layers": 1}
+    tensors = hf_tensors(cfg, rng=np.random.default_rng(3))
+    tensors["model.layers.0.mlp.up_proj.weight"][5, 2:4] = [np.nan, np.inf]
+    folder = write_folder(str(tmp_path / "nan"), cfg, tensors, tokenizer=byte_tokenizer(["<s>", "</s>"]),
+                          dtype=ml_dtypes.bfloat16)
+    with pytest.raises(ModelFileError) as e:
+        load_model(folder)
+    assert str(e.value) == (
+        f"{folder}/model.safetensors: tensor 'model.layers.0.mlp.up_proj.weight' holds 2 non-finite values "
+        "(NaN or infinity) of 1,536, the first at index [5, 2]"
+    )

@@ -308,6 +308,94 @@ def test_gguf_not_gguf_and_truncated(tmp_path):
             load_gguf(path)
 
 
+def patch_tensor(path, tensor_name, at, data: bytes):
+    """Overwrite ``data`` at byte ``at`` of a GGUF tensor's data, in place."""
+    offset = next(t.data_offset for t in gguf.GGUFReader(path).tensors if t.name == tensor_name)
+    with open(path, "r+b") as f:
+        f.seek(offset + at)
+        f.write(data)
+
+
+def test_gguf_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
+    """A NaN in one Q4_1 block scale (every value of the block dequantises to NaN) or an inf in
+    an F32 tensor: refused at load, naming the file, the tensor and the count, not a model
+    whose logits are all NaN (sampling token 0 forever)."""
+    path = tmp_path / "nan-scale.gguf"
+    write_tiny_gguf(path, {"attn_k": Q.Q4_1})
+    patch_tensor(path, "blk.1.attn_k.weight", 20, np.float16(np.nan).tobytes())  # the scale d of block 1 (row 1: D = 32)
+    with pytest.raises(ModelFileError) as e:
+        load_gguf(path)
+    assert str(e.value) == (
+        "nan-scale.gguf: tensor 'blk.1.attn_k.weight' holds 32 non-finite values (NaN or infinity) of 512, "
+        "the first at index [1, 0]"
+    )
+    path = tmp_path / "inf.gguf"
+    write_tiny_gguf(path)
+    patch_tensor(path, "output_norm.weight", 4 * 5, np.float32(-np.inf).tobytes())
+    with pytest.raises(ModelFileError, match=r"^inf.gguf: tensor 'output_norm.weight' holds 1 non-finite value "
+                                             r"\(NaN or infinity\) of 32, the first at index \[5\]$"):
+        load_model_files(path)
+
+
+def test_llama2c_non_finite_weight_is_refused_naming_the_tensor(tmp_path):
+    d, _, n_layers, _, _, v, _ = HEADER
+    data = bytearray(STORIES_BIN.read_bytes())
+    at = 28 + 4 * (v * d + n_layers * d + 3 * d * d + 7)  # wq[3], flat element 7
+    data[at : at + 4] = np.float32(np.inf).tobytes()
+    path = tmp_path / "stories260K.bin"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError) as e:
+        load_llama2c(path)
+    assert str(e.value) == (
+        "stories260K.bin: tensor 'wq' holds 1 non-finite value (NaN or infinity) of 20,480, the first at index "
+        "[3, 0, 7]"
+    )
+
+
+def test_gguf_is_detected_by_magic_or_name_and_damage_is_named(tmp_path):
+    """A .gguf that is short, cut by one byte (inside a Q4_1 tensor) or has another magic is
+    reported as a damaged GGUF file, never as a llama2.c checkpoint nor a numpy reshape error."""
+    whole = tmp_path / "whole.gguf"
+    write_tiny_gguf(whole, {"ffn_down": Q.Q4_1})
+    data = whole.read_bytes()
+    cases = {
+        "cut.gguf": (data[:-1], f"cut.gguf: truncated GGUF file: its tensor data end at byte {len(data):,}, "
+                                f"the file has {len(data) - 1:,} bytes"),
+        "header.gguf": (data[:6], "header.gguf: truncated GGUF file: its header (metadata, tensor infos) runs to "
+                                  "byte 8, the file has 6 bytes"),
+        "short.gguf": (b"GGU", "short.gguf: truncated: a GGUF file starts with b'GGUF' and a header, got 3 bytes"),
+        "empty.gguf": (b"", "empty.gguf: truncated: a GGUF file starts with b'GGUF' and a header, got 0 bytes"),
+        "magic.gguf": (b"GGUX" + data[4:], "magic.gguf: not a GGUF file (starts with b'GGUX', expected b'GGUF')"),
+    }
+    for name, (blob, message) in cases.items():
+        (tmp_path / name).write_bytes(blob)
+        with pytest.raises(ModelFileError) as e:
+            load_model_files(tmp_path / name)
+        assert str(e.value) == message
+    renamed = tmp_path / "model.bin"  # a GGUF under another name: its magic decides
+    renamed.write_bytes(data)
+    assert load_model_files(renamed)[0].n_layers == L
+    lone = tmp_path / "model.safetensors"
+    lone.write_bytes(b"\0" * 16)
+    with pytest.raises(ModelFileError, match=r"model.safetensors: a safetensors file alone is not a model: pass the "
+                                             r"Hugging Face folder"):
+        load_model_files(lone)
+
+
+def test_cli_refuses_a_gguf_with_a_nan_weight_in_one_line(tmp_path, capsys):
+    from jaxkv.cli import main
+
+    path = tmp_path / "nan.gguf"
+    write_tiny_gguf(path, {"ffn_up": Q.Q4_1})
+    patch_tensor(path, "blk.0.ffn_up.weight", 0, np.float16(np.nan).tobytes())
+    assert main(["sample", str(path), "--prompt", "ab", "--tokens", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        "jaxkv: error: nan.gguf: tensor 'blk.0.ffn_up.weight' holds 32 non-finite values (NaN or infinity) of 2,048, "
+        "the first at index [0, 0]\n"
+    )
+
+
 # -- dispatch ------------------------------------------------------------------------------
 
 

@@ -33,13 +33,18 @@ cache, so they never exceed the model's trained context however long the chat). 
 runs out. A full cache (``CacheSpec(max_len=N)``) refuses a turn that does not fit with a
 :class:`CacheFullError`; a reply that fills it stops with ``finish_reason="cache_full"``.
 
-Save and resume. :meth:`ChatSession.save` writes a ``jaxkv-chat/2`` file with the generic
+Save and resume. :meth:`ChatSession.save` writes a ``jaxkv-chat/3`` file with the generic
 cache checkpoint (:mod:`jaxkv.cache.checkpoint`: safetensors, atomic, fsync, mode 0600, SHA-256
-over everything): the cache leaves, the conversation's token ids, and string metadata (counters,
-the pending token, sampler, messages, and the model's identity: config fields, parameter dtype,
-tokenizer ids, a hash of the chat template, a SHA-256 of the embedding weights plus strided
-samples of every other weight). :meth:`ChatSession.load` refuses a file for another model or
-cache spec, and a truncated or corrupt one, with a :class:`JaxkvError` naming the file.
+over everything): the cache leaves as their live prefixes (the file grows with the tokens the
+cache holds: a short chat with the 1,024-slot default cache is a few MB, not 47), the
+conversation's token ids, and string metadata (counters, the pending token, sampler, messages,
+and the model's identity: config fields, parameter dtype, tokenizer ids, a hash of the chat
+template, a SHA-256 of the embedding weights plus strided samples of every other weight). A
+cache with no empty slot is written as ``jaxkv-chat/2`` (every leaf whole), the same arrays
+and metadata as before; both are read. :meth:`ChatSession.load` refuses a file for another
+model or cache spec (naming what differs), and a truncated, corrupt or inconsistent one
+(every field checked: a missing entry, a count, a token id, a cache length unlike the
+transcript's) with a :class:`JaxkvError` naming the file and the field.
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ from jaxkv.decode.text import text_stream
 from jaxkv.errors import CacheFullError, JaxkvError, check_int
 from jaxkv.io import LoadedModel
 
-FILE_FORMAT = "jaxkv-chat/2"  # 2: KIVI codes in the split-half bit layout
+FILE_FORMAT = "jaxkv-chat/3"  # 3: cache leaves stored as live prefixes (checkpoint's prefix_format)
+WHOLE_FORMAT = "jaxkv-chat/2"  # 2: KIVI codes in the split-half bit layout, every leaf whole
 _USER_SENTINEL = "JAXKV_SENTINEL_USER_8c1f"
 _REPLY_SENTINEL = "JAXKV_SENTINEL_REPLY_8c1f"
 _SAMPLED_ELEMENTS = 4096  # elements hashed per non-embedding weight in the model fingerprint
@@ -328,8 +334,9 @@ class ChatSession:
     def save(self, path: str | os.PathLike) -> None:
         """Write the session to ``path`` (safetensors), atomically: an interrupted save leaves the old file.
 
-        The file is :func:`jaxkv.cache.checkpoint.save_cache` of the cache, with the conversation's
-        token ids (``transcript``) and metadata ``model`` (:meth:`model_identity`) and ``state``.
+        The file is :func:`jaxkv.cache.checkpoint.save_cache` of the cache (leaves as live
+        prefixes: ``jaxkv-chat/3``; ``jaxkv-chat/2`` when no slot is empty), with the
+        conversation's token ids (``transcript``) and metadata ``model`` (:meth:`model_identity`) and ``state``.
 
         Raises:
           OSError: the directory is not writable (nothing is left behind).
@@ -342,7 +349,7 @@ class ChatSession:
         }
         metadata = {"model": json.dumps(self.model_identity(), sort_keys=True), "state": json.dumps(state, sort_keys=True)}
         save_cache(path, self._cache, metadata, arrays={"transcript": np.asarray(self._transcript, np.int32)},
-                   file_format=FILE_FORMAT)
+                   file_format=WHOLE_FORMAT, prefix_format=FILE_FORMAT)
 
     @classmethod
     def load(
@@ -364,17 +371,22 @@ class ChatSession:
           sampler, seed, max_new_tokens: None = those saved (the PRNG stream continues where it stopped).
           chat_template: as in the constructor (must be the one the file was written with).
         Raises:
-          JaxkvError: a missing, truncated or corrupt file, or one for another model or cache spec.
+          JaxkvError: a missing, truncated or corrupt file, one whose fields are missing, of the
+            wrong type or inconsistent (named), or one for another model or cache spec (what
+            differs is named).
         """
         path = os.fspath(path)
         made = []
 
+        def corrupt(problem: str) -> JaxkvError:
+            return JaxkvError(f"{path}: corrupt jaxkv chat file ({problem})")
+
         def session_for(spec: CacheSpec, meta: dict) -> KVCache:
             try:
-                identity = json.loads(meta["model"])
-                state = _checked_state(json.loads(meta["state"]))
-            except (KeyError, TypeError, ValueError) as e:
-                raise JaxkvError(f"{path}: corrupt jaxkv chat file (metadata: {e})") from None
+                identity = _json_object(meta, "model")
+                state = _checked_state(_json_object(meta, "state"))
+            except ValueError as e:
+                raise corrupt(str(e)) from None
             if cache is not None and cache != spec:
                 raise JaxkvError(
                     f"{path} holds a cache for another cache spec ({spec.describe()}), not the one asked for "
@@ -386,26 +398,33 @@ class ChatSession:
                 system=state["system"], chat_template=chat_template, block=block,
             )
             mine = session.model_identity()
-            if isinstance(identity, dict) and isinstance(identity.get("config"), dict):  # files of older jaxkv versions
+            if isinstance(identity.get("config"), dict):  # files of older jaxkv versions
                 identity["config"] = _without_defaults(model.config, identity["config"])
             if identity != mine:
                 what = [k for k in sorted(set(identity) | set(mine)) if identity.get(k) != mine.get(k)]
                 raise JaxkvError(
-                    f"{path} was saved for another model ({', '.join(what)} differ: file "
-                    + "; ".join(f"{k}={_short(identity.get(k))}" for k in what)
-                    + "; this model " + "; ".join(f"{k}={_short(mine.get(k))}" for k in what)
-                    + "): load it with the model it was written for, or delete it to start over"
+                    f"{path} was saved for another model ({', '.join(what)} differ: {_differences(identity, mine)}): "
+                    "load it with the model it was written for, or delete it to start over"
                 )
             made.append((session, state))
             return session.cache
 
-        kv, arrays, _ = load_cache(path, session_for, file_format=FILE_FORMAT, what="jaxkv chat cache")
+        kv, arrays, _ = load_cache(path, session_for, file_format=WHOLE_FORMAT, prefix_format=FILE_FORMAT,
+                                   what="jaxkv chat cache")
         session, state = made[0]
         transcript = arrays.get("transcript")
         if set(arrays) != {"transcript"} or transcript.dtype != np.int32 or transcript.ndim != 1:
-            raise JaxkvError(f"{path}: corrupt jaxkv chat file (expected one int32[N] transcript beside the cache)")
+            raise corrupt("expected one int32[N] transcript beside the cache")
         ids = [*transcript.tolist(), *state["last_reply_ids"], *([] if state["pending"] is None else [state["pending"]])]
         check_token_ids(ids, model.config.vocab_size, f"{path}: corrupt jaxkv chat file: token id")
+        reply, held, started = state["last_reply_ids"], int(np.asarray(kv.length)[0]), state["pending"] is not None
+        if transcript.size < len(reply) or transcript[transcript.size - len(reply):].tolist() != reply:
+            raise corrupt(f"the transcript of {transcript.size} tokens does not end with state.last_reply_ids {_short(reply)}")
+        if not started and transcript.size:
+            raise corrupt(f"state.turns=0 with a transcript of {transcript.size} tokens")
+        if held != transcript.size - started:
+            raise corrupt(f"the cache holds {held} tokens, expected {transcript.size - started}: the transcript's "
+                          f"{transcript.size} less the pending last token")
         session._cache = kv
         session._transcript = [int(i) for i in transcript]
         session._step, session._turns = state["step"], state["turns"]
@@ -465,32 +484,104 @@ def _identity(model: LoadedModel, fingerprint: str) -> dict:
     }
 
 
-def _short(value) -> str:
+def _short(value, limit: int = 40) -> str:
+    """``value`` as JSON, cut to about ``limit`` characters (a hash to its first 12 digits)."""
     text = json.dumps(value, sort_keys=True)
-    return text if len(text) <= 200 else text[:197] + "..."
+    if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value):
+        return f'"{value[:12]}..."'
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _differences(file: dict, mine: dict, budget: int = 250) -> str:
+    """The leaves that differ between two model identities, e.g. ``config.n_layers: file 5,
+    this model 2; weights_sha256: file "3f2a9c0e1b7d...", this model "..."``: as many as fit in
+    about ``budget`` characters, then ``and N more``."""
+
+    def leaves(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in tree.items():
+            out.update(leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+        return out
+
+    a, b = leaves(file), leaves(mine)
+    keys = [k for k in sorted(set(a) | set(b)) if k not in a or k not in b or a[k] != b[k]]
+    parts = []
+    for k in keys:
+        part = f"{k}: file {_short(a[k]) if k in a else 'absent'}, this model {_short(b[k]) if k in b else 'absent'}"
+        if parts and len("; ".join(parts + [part])) > budget:
+            break
+        parts.append(part)
+    more = len(keys) - len(parts)
+    return "; ".join(parts) + (f"; and {more} more" if more else "")
+
+
+def _json_object(meta: dict, key: str) -> dict:
+    """Metadata entry ``key`` of a chat file, a JSON object (JaxkvError naming the entry otherwise)."""
+    if key not in meta:
+        raise JaxkvError(f"no {key!r} entry")
+    try:
+        value = json.loads(meta[key])
+    except ValueError as e:
+        raise JaxkvError(f"{key}: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise JaxkvError(f"{key}: expected a JSON object, got {_short(value)}")
+    return value
+
+
+_STATE_FIELDS = ("turns", "step", "pending", "finish_reason", "seed", "max_new_tokens", "sampler", "system", "messages",
+                 "last_reply_ids")
 
 
 def _checked_state(state: dict) -> dict:
-    """The ``state`` metadata of a chat file, every field checked (ValueError/TypeError/KeyError otherwise)."""
-    out = {k: state[k] for k in ("turns", "step", "pending", "finish_reason", "seed", "max_new_tokens", "system",
-                                 "messages", "last_reply_ids")}
+    """The ``state`` entry of a chat file, every field checked alone and against the others.
+
+    Raises:
+      JaxkvError: naming the field: ``state has no 'seed'``, ``state.turns=-1: expected an
+        integer >= 0``, ``state.messages: ...``, a started conversation without a pending token, ...
+    """
+    missing = [k for k in _STATE_FIELDS if k not in state]
+    unknown = sorted(set(state) - set(_STATE_FIELDS))
+    if missing or unknown:
+        raise JaxkvError(f"state has no {missing[0]!r}" if missing else f"state has an unknown field {unknown[0]!r}")
+    out = dict(state)
     for name in ("turns", "step", "seed"):
-        check_int(name, out[name], 0)
-    check_int("max_new_tokens", out["max_new_tokens"], 1)
+        check_int(f"state.{name}", out[name], 0)
+    check_int("state.max_new_tokens", out["max_new_tokens"], 1)
     if out["pending"] is not None:
-        check_int("pending", out["pending"], 0)
+        check_int("state.pending", out["pending"], 0)
     if out["finish_reason"] not in (None, *FINISH_REASONS[1:]):
-        raise ValueError(f"finish_reason={out['finish_reason']!r}")
+        raise JaxkvError(f"state.finish_reason={out['finish_reason']!r}: expected one of {', '.join(FINISH_REASONS[1:])}")
     if out["system"] is not None and not isinstance(out["system"], str):
-        raise TypeError(f"system={out['system']!r}")
+        raise JaxkvError(f"state.system={_short(out['system'])}: expected a string or null")
+    if not isinstance(out["last_reply_ids"], list):
+        raise JaxkvError(f"state.last_reply_ids={_short(out['last_reply_ids'])}: expected a list of token ids")
+    for i in out["last_reply_ids"]:
+        check_int("state.last_reply_ids: token id", i, 0)
+    if not isinstance(out["sampler"], dict):
+        raise JaxkvError(f"state.sampler={_short(out['sampler'])}: expected a JSON object of Sampler fields")
+    try:
+        out["sampler"] = Sampler(**out["sampler"])
+    except (TypeError, ValueError) as e:
+        raise JaxkvError(f"state.sampler: {e}") from None
+    turns, reply = out["turns"], out["last_reply_ids"]
+    if any((v is not None and v != []) != (turns > 0) for v in (out["pending"], out["finish_reason"], reply)):
+        raise JaxkvError(
+            f"state.turns={turns} with pending={out['pending']}, finish_reason={out['finish_reason']!r} and "
+            f"{len(reply)} last_reply_ids: a conversation that has not started has none of them, one that has all"
+        )
+    if reply and reply[-1] != out["pending"]:
+        raise JaxkvError(f"state.pending={out['pending']} is not the last of state.last_reply_ids {_short(reply)}")
+    if out["step"] < len(reply):
+        raise JaxkvError(f"state.step={out['step']}: fewer sampled tokens than the last reply's {len(reply)}")
+    roles = ["system"] * (out["system"] is not None) + ["user", "assistant"] * turns
     messages = out["messages"]
     if not isinstance(messages, list) or not all(
         isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values()) for m in messages
     ):
-        raise ValueError("messages: expected a list of {role, content} strings")
-    if not isinstance(out["last_reply_ids"], list):
-        raise TypeError(f"last_reply_ids={out['last_reply_ids']!r}")
-    for i in out["last_reply_ids"]:
-        check_int("last_reply_ids", i, 0)
-    out["sampler"] = Sampler(**state["sampler"])
+        raise JaxkvError("state.messages: expected a list of {role, content} strings")
+    if [m["role"] for m in messages] != roles or (roles[:1] == ["system"] and messages[0]["content"] != out["system"]):
+        raise JaxkvError(
+            f"state.messages: roles {_short([m['role'] for m in messages], 80)}, expected the system message "
+            f"(if any) then {turns} user/assistant pairs"
+        )
     return out

@@ -44,12 +44,16 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _is_gguf(path: str | os.PathLike) -> bool:
+    """A GGUF file by its magic, or by its ``.gguf`` name (so that a damaged one is reported as
+    a damaged GGUF file, not as a llama2.c checkpoint)."""
+    if os.fspath(path).lower().endswith(".gguf"):
+        return True
     with open(path, "rb") as f:
         return f.read(4) == GGUF_MAGIC
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """A tokenizer file, by kind: a GGUF (its vocabulary; recognised by magic), a llama2.c
+    """A tokenizer file, by kind: a GGUF (its vocabulary; recognised by magic or name), a llama2.c
     ``.bin`` tokenizer, or else a SentencePiece ``.model``.
 
     Raises:
@@ -83,7 +87,7 @@ def load_model_files(
     """Load a model file and its tokenizer, whatever the format.
 
     Args:
-      path: a GGUF file (recognised by its magic ``b"GGUF"``), a llama2.c legacy ``.bin``, or
+      path: a GGUF file (recognised by its magic ``b"GGUF"`` or a ``.gguf`` name), a llama2.c legacy ``.bin``, or
         a Hugging Face model folder (a directory; see :func:`jaxkv.io.hf.load_hf`).
       tokenizer_path: any file :func:`load_tokenizer` reads. Overrides a
         GGUF's own vocabulary; for a llama2.c checkpoint, defaults to the first of
@@ -93,8 +97,8 @@ def load_model_files(
       :mod:`jaxkv.io.registry`), its weights and the tokenizer; see :func:`load_gguf`,
       :func:`load_llama2c` and :func:`load_hf`.
     Raises:
-      ModelFileError: "no such model file: PATH", or a corrupt/unsupported file (see the
-        loaders).
+      ModelFileError: "no such model file: PATH", a lone ``.safetensors`` file (its folder is
+        the model), or a corrupt/unsupported file (see the loaders).
       JaxkvError: if a llama2.c checkpoint has no tokenizer, or the tokenizer has more ids
         than the model's vocabulary.
     """
@@ -105,6 +109,11 @@ def load_model_files(
         raise ModelFileError(f"no such model file: {path}")
     elif _is_gguf(path):
         config, weights, tokenizer = load_gguf(path)
+    elif path.lower().endswith(".safetensors"):
+        raise ModelFileError(
+            f"{path}: a safetensors file alone is not a model: pass the Hugging Face folder that holds it "
+            "(with config.json and the tokenizer)"
+        )
     else:
         config, weights = load_llama2c(path)
         tokenizer_path = tokenizer_path or _find_tokenizer(path, config.vocab_size)

@@ -19,7 +19,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from jaxkv.errors import JaxkvError, ModelFileError
+from jaxkv.errors import JaxkvError, ModelFileError, check_finite
 from jaxkv.io import registry
 from jaxkv.io.tokenizer import Tokenizer
 from jaxkv.models.blocks import interleaved_to_rotate_half
@@ -42,6 +42,22 @@ class _Reader(gguf.GGUFReader):
     def data(self, value: np.ndarray) -> None:
         self._view = value.view(np.ndarray)
 
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        """Every read of the file (header, metadata, tensor infos, tensor data) is checked to
+        end inside it: a truncated file is named as one, not as a numpy reshape error."""
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > self._view.size:
+            raise _PastTheEnd(end, self._view.size, tensor_data=hasattr(self, "data_offset"))
+        return super()._get(offset, dtype, count, override_order)
+
+
+class _PastTheEnd(ValueError):
+    """A read of a GGUF file that ends after its last byte (raised by :class:`_Reader`)."""
+
+    def __init__(self, end: int, size: int, *, tensor_data: bool):
+        super().__init__(end, size)
+        self.end, self.size, self.tensor_data = end, size, tensor_data
+
 
 def _open(path: str | os.PathLike, name: str) -> gguf.GGUFReader:
     try:
@@ -49,19 +65,27 @@ def _open(path: str | os.PathLike, name: str) -> gguf.GGUFReader:
             magic = f.read(4)
     except OSError as e:
         raise ModelFileError(f"cannot read GGUF file {os.fspath(path)}: {e.strerror or e}") from None
+    if len(magic) < len(MAGIC):
+        raise ModelFileError(f"{name}: truncated: a GGUF file starts with {MAGIC!r} and a header, got {len(magic)} bytes")
     if magic != MAGIC:
         raise ModelFileError(f"{name}: not a GGUF file (starts with {magic!r}, expected {MAGIC!r})")
     try:
         reader = _Reader(path)
+    except _PastTheEnd as e:
+        part = "its tensor data end at" if e.tensor_data else "its header (metadata, tensor infos) runs to"
+        raise ModelFileError(f"{name}: truncated GGUF file: {part} byte {e.end:,}, the file has {e.size:,} bytes") from None
     except (ValueError, IndexError, KeyError, OverflowError) as e:
         raise ModelFileError(f"{name}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
     return reader
 
 
 def _dequantize(name: str, tensor: gguf.ReaderTensor) -> np.ndarray:
-    """A tensor's values as float32 numpy, in the file's numpy order."""
+    """A tensor's values as float32 numpy, in the file's numpy order, checked to be finite
+    (a NaN in one Q4_1 scale is a NaN in every value of its block)."""
     _check_type(name, tensor)
-    return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+    values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+    check_finite(f"{name}: tensor {tensor.name!r}", values, ModelFileError)
+    return values
 
 
 def _check_type(name: str, tensor: gguf.ReaderTensor) -> None:
@@ -133,8 +157,9 @@ def load_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, np.ndarray], Toke
       ModelFileError: naming the file, if it is not a GGUF file, is truncated, is of an
         unregistered architecture (the message lists the supported ones), has metadata
         the family refuses, lacks a tensor, has a tensor of the wrong shape, one the
-        family does not read, or one of an unsupported quantisation type (the message
-        names the tensor and the type).
+        family does not read, one of an unsupported quantisation type (the message
+        names the tensor and the type), or one holding a NaN or an infinity after
+        dequantisation (named, with the count).
       JaxkvError: if its tokenizer is of an unsupported kind.
     """
     name = os.path.basename(os.fspath(path))

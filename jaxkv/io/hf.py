@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from jaxkv.errors import JaxkvError, ModelFileError
+from jaxkv.errors import JaxkvError, ModelFileError, check_finite
 from jaxkv.io import registry
 from jaxkv.io.tokenizer import Tokenizer
 
@@ -151,8 +151,8 @@ def load_hf_weights(folder: str, config) -> dict[str, np.ndarray]:
     per-layer weights stacked on L).
 
     Raises:
-      ModelFileError: a missing shard or tensor, a tensor of the wrong shape, or a bias
-        tensor the family does not read (named).
+      ModelFileError: a missing shard or tensor, a tensor of the wrong shape or holding a
+        NaN or an infinity, or a bias tensor the family does not read (named).
     """
     family = registry.family_of(config)
     fmt = family.hf
@@ -168,7 +168,9 @@ def load_hf_weights(folder: str, config) -> dict[str, np.ndarray]:
             raise ModelFileError(
                 f"{shard.path}: tensor {hf_name!r} has shape {tuple(a.shape)}, expected {tuple(expected)} for {config.name}"
             )
-        return (a.T if matrix else a).astype(np.float32)
+        a = a.astype(np.float32)
+        check_finite(f"{shard.path}: tensor {hf_name!r}", a, ModelFileError)
+        return a.T if matrix else a
 
     shapes = family.weight_shapes(config)
     weights, read_names = {}, set()

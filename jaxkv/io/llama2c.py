@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from jaxkv.errors import ModelFileError
+from jaxkv.errors import ModelFileError, check_finite
 from jaxkv.io import registry
 from jaxkv.models.blocks import interleaved_to_rotate_half
 from jaxkv.models.llama import LlamaConfig
@@ -85,7 +85,8 @@ def load_llama2c(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.nda
     Raises:
       ModelFileError: naming the file, if it is missing, shorter or longer than the header's
         shapes require, or its header is not a plausible Llama (non-positive sizes, dim not
-        divisible into even-sized heads, n_heads % n_kv_heads != 0, a versioned export).
+        divisible into even-sized heads, n_heads % n_kv_heads != 0, a versioned export), or a
+        tensor holding a NaN or an infinity (named, with the count).
     """
     name = os.path.basename(os.fspath(path))
     try:
@@ -118,6 +119,7 @@ def load_llama2c(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.nda
     weights = {}
     for key in family.weight_shapes(config):
         w = arrays[fmt.tensors[key]]
+        check_finite(f"{name}: tensor {fmt.tensors[key]!r}", w, ModelFileError)
         w = np.swapaxes(w, -1, -2) if key in fmt.linear else w  # [L, out, in] -> [L, in, out]
         if key in fmt.interleaved:
             n_heads = getattr(config, fmt.interleaved[key])
