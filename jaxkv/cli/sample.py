@@ -6,7 +6,7 @@ import sys
 
 from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, cache_spec_from_args
 from jaxkv.decode import Sampler, encode_prompt, sample
-from jaxkv.errors import check_int
+from jaxkv.errors import INT32_LIMIT, check_int
 from jaxkv.io import load_model
 
 def add_parser(sub) -> None:
@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> None:
     Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # validate before loading
-    check_int("--tokens", args.tokens, 1)
+    check_int("--tokens", args.tokens, 1, INT32_LIMIT)
     model = load_model(args.model, tokenizer=args.tokenizer)
     prompt_ids = encode_prompt(model.tokenizer, args.prompt, chat=args.chat)
     result = sample(

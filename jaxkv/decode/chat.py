@@ -64,7 +64,7 @@ from jaxkv.decode.loop import FINISH_REASONS, new_cache, prefill_and_decode
 from jaxkv.decode.prompt import check_token_ids, reply_text
 from jaxkv.decode.sampler import Sampler
 from jaxkv.decode.text import text_stream
-from jaxkv.errors import CacheFullError, JaxkvError, check_int
+from jaxkv.errors import INT32_LIMIT, CacheFullError, JaxkvError, check_int
 from jaxkv.io import LoadedModel
 
 FILE_FORMAT = "jaxkv-chat/2"  # 2: KIVI codes in the split-half bit layout
@@ -190,7 +190,7 @@ class ChatSession:
         if not isinstance(sampler, Sampler):
             raise JaxkvError(f"ChatSession: sampler must be a jaxkv.Sampler, got {type(sampler).__name__}")
         for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("block", block, 1), ("seed", seed, 0)):
-            check_int(f"ChatSession: {name}", value, low)
+            check_int(f"ChatSession: {name}", value, low, INT32_LIMIT if name == "max_new_tokens" else None)
         if system is not None and not isinstance(system, str):
             raise JaxkvError(f"ChatSession: system={system!r}, expected a string or None")
         if cache is not None and not isinstance(cache, CacheSpec):
