@@ -271,7 +271,7 @@ def test_prompt_longer_than_a_fixed_full_cache_is_skipped_by_line(tmp_path, caps
     (["--batch-size", "0"], "--batch-size 0"),
     (["--shard", "model"], "--shard 'model'"),
     (["--temperature", "-1"], "temperature=-1.0"),
-    (["--streaming-llm-window", "60", "--kv-quantize", "int4", "--kv-group-size", "32"], "window=60"),
+    (["--streaming-llm-window", "60", "--kv-quantize", "int4", "--kv-group-size", "32"], "--streaming-llm-window 60 is not"),
 ])
 def test_bad_batch_flags_one_line_exit_2(tmp_path, capsys, argv, message):
     src = tmp_path / "p.jsonl"

@@ -26,10 +26,10 @@ def run_cli(capsys, *argv):
         (["--top-p", "1.5"], "top_p=1.5"),
         (["--top-k", "0"], "top_k=0"),
         (["--max-len", "4", "--prompt", "Once upon a time there was a dog"], "does not fit a full cache of max_len=4"),
-        (["--kv-quantize", "int3"], "kv_quantize='int3'"),
+        (["--kv-quantize", "int3"], "--kv-quantize int3: expected one of fp32, fp16, bf16, int8, int4, int2"),
         (["--streaming-llm-sink", "4"], "needs --streaming-llm-window"),
-        (["--streaming-llm-window", "0"], "window=0"),
-        (["--streaming-llm-window", "60", "--kv-quantize", "int4", "--kv-group-size", "32"], "window=60 is not a multiple of group_size=32"),
+        (["--streaming-llm-window", "0"], "--streaming-llm-window 0: expected an integer in [1, 2147483648)"),
+        (["--streaming-llm-window", "60", "--kv-quantize", "int4", "--kv-group-size", "32"], "--streaming-llm-window 60 is not a multiple of --kv-group-size 32"),
     ],
 )
 def test_bad_flags_one_line_exit_2(capsys, argv, message):

@@ -28,6 +28,9 @@ donated, XLA updates the buffers in place.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
 import warnings
 
 import jax
@@ -39,7 +42,7 @@ from jaxkv.cache.kivi_storage import QuantRing
 from jaxkv.cache.ring import write_ring
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.cache.storage import Storage
-from jaxkv.errors import JaxkvError
+from jaxkv.errors import INT32_LIMIT, CacheSpecError, JaxkvError, check_int
 
 __all__ = ["KVCache", "LayerKV", "QuantRing", "Step", "layer_value"]
 
@@ -119,23 +122,34 @@ class KVCache:
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
-    def create(cls, spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int):
+    def create(cls, spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int,
+               devices=None):
         """An empty cache: every slot position -1, every length 0.
+
+        Its bytes are counted from the leaves' shapes first (nothing allocated) and checked
+        against the memory of the devices it goes to (:func:`check_fits`).
 
         Args:
           spec: what to keep and how to store it: one :class:`CacheSpec` for every layer, or
             :class:`LayerSpecs` (one per layer; returns a :class:`jaxkv.cache.layered.LayeredCache`).
           batch: B rows. n_layers: L. n_kv_heads: K. head_dim: H.
+          devices: the devices the cache is spread over (None: the default device), for the memory check.
         Raises:
-          JaxkvError: a non-positive size, or ``head_dim`` not divisible by the codes per byte.
+          JaxkvError: a size outside [1, 2**31), or ``head_dim`` not divisible by the codes per byte;
+            :class:`~jaxkv.errors.CacheSpecError`: a cache larger than the devices' memory.
         """
+        sizes = {name: check_int(f"KVCache.create: {name}", value, 1, INT32_LIMIT, spaced=False) for name, value in
+                 (("batch", batch), ("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim))}
+        check_fits(spec, devices=devices, **sizes)
+        return cls._empty(spec, **sizes)
+
+    @classmethod
+    def _empty(cls, spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int):
+        """The empty cache of :meth:`create`, sizes and memory checked there."""
         if isinstance(spec, LayerSpecs):
             from jaxkv.cache.layered import LayeredCache  # the layered cache is made of KVCaches
 
-            return LayeredCache.create(spec, batch=batch, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
-        for name, value in (("batch", batch), ("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise JaxkvError(f"KVCache.create: {name}={value!r}, expected a positive integer")
+            return LayeredCache._empty(spec, batch=batch, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
         lbk = (n_layers, batch, n_kv_heads)
         storage = spec.storage
 
@@ -309,6 +323,114 @@ class KVCache:
         _deprecated("KVCache.append", "KVCache.commit")
         n = jnp.asarray(n, jnp.int32)
         return self.commit(self._step(n, _query_positions(self.length, n, k_new.shape[3])), k_new, v_new)
+
+
+# ---- the cache against the machine's memory --------------------------------------------------------
+def cache_bytes(spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
+    """Bytes of every leaf of ``KVCache.create(spec, ...)``, from the leaves' shapes (nothing is allocated).
+
+    Raises:
+      JaxkvError: as :meth:`KVCache.create` for a spec the shapes do not fit.
+    """
+    sizes = dict(batch=batch, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
+    shapes = jax.eval_shape(lambda: KVCache._empty(spec, **sizes))
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def physical_memory() -> int | None:
+    """Bytes of the host's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def device_memory(devices=None) -> tuple[int | None, str]:
+    """``(bytes, where)``: the memory ``devices`` hold together (None: the default device), and
+    their description (e.g. ``cpu``, ``8 gpu devices``).
+
+    An accelerator counts its own memory (``memory_stats()["bytes_limit"]``); a CPU, or a device
+    that reports no memory (unified memory), counts the host's physical memory, once. Bytes
+    are None when unknown.
+    """
+    devices = list(jax.devices()[:1] if devices is None else devices)
+    total, host = 0, False
+    for device in devices:
+        try:
+            limit = (device.memory_stats() or {}).get("bytes_limit")
+        except Exception:  # a backend without memory stats
+            limit = None
+        if limit:
+            total += int(limit)
+        else:
+            host = True
+    if host:
+        ram = physical_memory()
+        if ram is None:
+            return None, "host"
+        total += ram
+    kinds = sorted({d.platform for d in devices})
+    return total, "/".join(kinds) if len(devices) == 1 else f"{len(devices)} {'/'.join(kinds)} devices"
+
+
+def _resized(spec, field: str, n: int):
+    """``spec`` with ``field`` (``window`` or ``max_len``) set to ``n`` on every layer that has it and is
+    not a model's local layer (for :class:`LayerSpecs`; local layers keep their window)."""
+    if isinstance(spec, LayerSpecs):
+        return LayerSpecs(tuple(_resized(s, field, n) if s.attention_window is None and getattr(s, field) is not None
+                                else s for s in spec.specs))
+    with warnings.catch_warnings():  # a smaller window than the sinks, while searching: not the user's spec
+        warnings.simplefilter("ignore", UserWarning)
+        return dataclasses.replace(spec, **{field: n})
+
+
+def check_fits(spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int,
+               devices=None) -> int:
+    """Bytes of the cache :meth:`KVCache.create` would allocate, checked against the memory of
+    ``devices`` (:func:`device_memory`; None: the default device) before anything is allocated.
+
+    Returns:
+      the cache's bytes (int).
+    Raises:
+      CacheSpecError: a cache larger than that memory; the message gives its size and the largest
+        window (or ``max_len``) and batch that fit.
+    """
+    sizes = dict(batch=batch, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
+    need = cache_bytes(spec, **sizes)
+    memory, where = device_memory(devices)
+    if memory is None or need <= memory:
+        return need
+    from jaxkv.cache.memory import format_bytes  # memory.py reports on KVCaches
+
+    parts = getattr(spec, "specs", (spec,))
+    bounded = [s for s in parts if s.attention_window is None]
+    fits = []
+    if bounded:  # the largest size (window, or max_len of a full cache) that fits, by bisection
+        user = bounded[0]
+        field = "window" if user.bounded else "max_len"
+        unit = user.group_size if user.quantized and user.bounded else 1
+        low = user.residual if user.quantized and user.bounded else 1  # the smallest valid size
+        lo, hi = -1, (getattr(user, field) - low) // unit  # the answer k: low + k * unit, in [-1, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if cache_bytes(_resized(spec, field, low + mid * unit), **sizes) <= memory:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo >= 0:
+            fits.append(f"{{{field}:={low + lo * unit}}}")
+    per_row = cache_bytes(spec, **{**sizes, "batch": 1})
+    if (batch > 1 or not fits) and memory >= per_row:
+        fits.append(f"{{batch:={memory // per_row}}} at this size")
+    values = {f.name: getattr((bounded or parts)[0], f.name) for f in dataclasses.fields(CacheSpec)}
+    values["batch"] = batch
+    raise CacheSpecError(
+        f"a KV cache of {format_bytes(need)} ({spec.describe()}; batch {batch}, {n_layers} layers, {n_kv_heads} KV heads, "
+        f"head dim {head_dim}) is more than the {format_bytes(memory)} of memory of {where}: "
+        + (f"the most that fits is {' or '.join(fits)}" if fits
+           else f"even {{{field}:={low}}} does not fit" if bounded else "not even one row fits"),
+        values, prefix="",
+    )
 
 
 def _deprecated(old: str, new: str = "KVCache.begin") -> None:

@@ -46,16 +46,24 @@ class LayeredCache:
     groups: tuple
 
     @classmethod
-    def create(cls, spec: LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int) -> "LayeredCache":
+    def create(cls, spec: LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int,
+               devices=None) -> "LayeredCache":
         """An empty cache of ``len(spec.specs)`` layers (``n_layers`` must match).
 
         Raises:
-          JaxkvError: ``n_layers`` differs from the number of specs, or a bad size (see :meth:`KVCache.create`).
+          JaxkvError: ``n_layers`` differs from the number of specs, or a bad size or a cache
+            larger than the devices' memory (see :meth:`KVCache.create`).
         """
+        return KVCache.create(spec, batch=batch, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                              devices=devices)
+
+    @classmethod
+    def _empty(cls, spec: LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int) -> "LayeredCache":
+        """The empty cache of :meth:`KVCache.create` for per-layer specs (sizes and memory checked there)."""
         if n_layers != len(spec.specs):
             raise JaxkvError(f"LayerSpecs holds {len(spec.specs)} layer specs, but the model has n_layers={n_layers}")
         return cls(spec=spec, groups=tuple(
-            KVCache.create(s, batch=batch, n_layers=b - a, n_kv_heads=n_kv_heads, head_dim=head_dim)
+            KVCache._empty(s, batch=batch, n_layers=b - a, n_kv_heads=n_kv_heads, head_dim=head_dim)
             for s, a, b in spec.runs
         ))
 

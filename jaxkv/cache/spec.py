@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
+import warnings
 
 import numpy as np
 
 from jaxkv.cache.kivi_storage import BITS, KiviStorage
 from jaxkv.cache.policy import POSITION_MODES, FullCache, Policy, StreamingLLM
 from jaxkv.cache.storage import FLOAT_DTYPES, FloatStorage, Storage
-from jaxkv.errors import JaxkvError
+from jaxkv.errors import INT32_LIMIT, CacheSpecError, JaxkvError, int_problem
 
 FLOAT_MODES = tuple(FLOAT_DTYPES)
 QUANT_MODES = tuple(BITS)
@@ -31,9 +33,11 @@ def make_storage(kv_quantize: str, *, group_size: int = 32, residual: int = 128,
     return FloatStorage(kind=kv_quantize)
 
 
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise JaxkvError(f"CacheSpec.{name}={value!r}: expected an integer >= {minimum}")
+def _divisors_near(n: int, g: int, most: int = 6) -> list:
+    """Up to ``most`` divisors of ``n`` (>= 2), the nearest to ``g`` (by ratio), ascending."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    divisors = sorted({d for s in small for d in (s, n // s) if d >= 2}) or [1]
+    return sorted(sorted(divisors, key=lambda d: abs(np.log(d / g)))[:most])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,41 +80,64 @@ class CacheSpec:
     attention_window: int | None = None
 
     def __post_init__(self):
-        if self.kv_quantize not in KV_MODES:
-            raise JaxkvError(f"CacheSpec.kv_quantize={self.kv_quantize!r}: expected one of {', '.join(KV_MODES)}")
-        if self.positions not in POSITION_MODES:
-            raise JaxkvError(f"CacheSpec.positions={self.positions!r}: expected 'absolute' or 'cache'")
-        _check_int("sink", self.sink, 0)
+        for name, accepted in (("kv_quantize", KV_MODES), ("positions", POSITION_MODES), ("scale_dtype", SCALE_DTYPES)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in accepted:
+                self._refuse(f"{{{name}}}: expected one of {', '.join(accepted)}")
+        for name, minimum in (("sink", 0), ("max_len", 1), ("window", 1), ("attention_window", 1),
+                              ("group_size", 1), ("residual", 1)):
+            value = getattr(self, name)
+            if value is None and name in ("max_len", "window", "attention_window"):
+                continue
+            problem = int_problem(value, minimum, INT32_LIMIT)
+            if problem is not None:
+                big = not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= minimum
+                self._refuse(f"{{{name}}}: {problem}" + (" (positions and slots are int32)" if big else ""))
+            object.__setattr__(self, name, int(value))  # numpy integers as ints: hashable, JSON, equal
         if self.window is None:
             if self.sink:
-                raise JaxkvError(f"CacheSpec.sink={self.sink} needs a window: pass window=W for a StreamingLLM cache")
+                self._refuse("{sink} needs a window: pass {window:=W} for a StreamingLLM cache")
             if self.max_len is None:
-                raise JaxkvError("CacheSpec: a full cache (window=None) needs max_len, the number of slots")
-            _check_int("max_len", self.max_len, 1)
+                self._refuse("{max_len}: a full cache (window=None) needs max_len, the number of slots")
         else:
-            _check_int("window", self.window, 1)
-        if self.attention_window is not None:
-            _check_int("attention_window", self.attention_window, 1)
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise JaxkvError(f"CacheSpec.scale_dtype={self.scale_dtype!r}: expected one of {', '.join(SCALE_DTYPES)}")
+            if self.max_len is not None:
+                warnings.warn(f"CacheSpec(max_len={self.max_len}, window={self.window}): a StreamingLLM cache "
+                              "(window set) has no max_len, so max_len is ignored: pass one of them", stacklevel=3)
+            if self.sink > self.window:
+                warnings.warn(f"CacheSpec(sink={self.sink}, window={self.window}): more sinks than window tokens; "
+                              "StreamingLLM keeps a few sinks (e.g. 4) before a much larger window", stacklevel=3)
         if self.quantized:
-            _check_int("group_size", self.group_size, 1)
-            _check_int("residual", self.residual, 1)
-            if self.residual % self.group_size:
-                raise JaxkvError(
-                    f"CacheSpec.residual={self.residual} is not a multiple of group_size={self.group_size}"
-                )
-            if self.window is not None:
-                if self.window % self.group_size:
-                    raise JaxkvError(
-                        f"CacheSpec.window={self.window} is not a multiple of group_size={self.group_size}: "
-                        "the quantised window evicts whole groups"
-                    )
-                if self.residual > self.window:
-                    raise JaxkvError(
-                        f"CacheSpec.residual={self.residual} is larger than window={self.window}: "
-                        "a flush of the residual must fit in the window"
-                    )
+            self._check_groups()
+        if self.capacity >= INT32_LIMIT:
+            sizes = "{sink} + {window}" if self.bounded else "{max_len}"
+            self._refuse(sizes + (" + {residual}" if self.quantized else "")
+                         + f" make {self.capacity} slots: expected fewer than 2**31 (positions and slots are int32)",
+                         prefix="CacheSpec: ")
+
+    def _refuse(self, template: str, *, prefix: str = "CacheSpec."):
+        raise CacheSpecError(template, {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, prefix=prefix)
+
+    def _check_groups(self):
+        """KIVI: R a multiple of G, W a multiple of G, R <= W; each refusal names the nearest valid values."""
+        g, r, w = self.group_size, self.residual, self.window
+        if r % g:
+            divisors = ", ".join(map(str, _divisors_near(r, g)))
+            multiples = [m for m in (r - r % g, r - r % g + g) if m >= g and (w is None or m <= w)]
+            self._refuse(
+                f"{{residual}} is not a multiple of {{group_size}}: use a {{group_size:name}} that divides {r} "
+                f"(e.g. {divisors}) or a {{residual:name}} that is a multiple of {g}"
+                + (f" (e.g. {' or '.join(map(str, multiples))})" if multiples else "")
+            )
+        if w is None:
+            return
+        if w % g:
+            below, above = w - w % g, max(w - w % g + g, r)
+            use = (f"{{window:={below}}} or {above}" if below >= r
+                   else f"{{window:={above}}}, the smallest that holds {{residual}}")
+            self._refuse(f"{{window}} is not a multiple of {{group_size}}: the quantised window evicts whole groups; use {use}")
+        if r > w:
+            self._refuse(f"{{residual}} is larger than {{window}}: a flush of the residual must fit in the window; "
+                         f"use {{window:={r}}} or more, or {{residual:={w}}} or less")
 
     # ---- the typed parts ----------------------------------------------------------------------
     @functools.cached_property

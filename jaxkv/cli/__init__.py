@@ -12,7 +12,7 @@ import sys
 
 from jaxkv import __version__
 from jaxkv.cli import batch, bench, chat, info, ppl, sample
-from jaxkv.cli.flags import add_cache_flags, cache_spec_from_args
+from jaxkv.cli.flags import add_cache_flags, cache_spec_from_args, error_text
 from jaxkv.errors import JaxkvError
 
 __all__ = ["add_cache_flags", "build_parser", "cache_spec_from_args", "main"]
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except JaxkvError as e:
-        print(f"jaxkv: error: {e}", file=sys.stderr)
+        print(f"jaxkv: error: {error_text(e, args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

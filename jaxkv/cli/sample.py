@@ -7,7 +7,7 @@ import sys
 from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, cache_spec_from_args, sampler_from_args
 from jaxkv.decode import encode_prompt, sample
 from jaxkv.decode.prompt import prompt_text, stop_strings
-from jaxkv.errors import JaxkvError, check_int
+from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int
 from jaxkv.io import load_model
 
 
@@ -67,7 +67,7 @@ def read_prompt(args) -> str:
 def run(args) -> int:
     """``jaxkv sample``: returns the exit code (130 when Ctrl-C stopped decoding, after the report line)."""
     sampler = sampler_from_args(args)  # validate before loading
-    check_int("--tokens", args.tokens, 1)
+    check_int("--tokens", args.tokens, 1, INT32_LIMIT)
     stops = stop_strings(args.stop)
     prompt = read_prompt(args)
     model = load_model(args.model, tokenizer=args.tokenizer)

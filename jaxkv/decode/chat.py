@@ -69,7 +69,7 @@ from jaxkv.decode.loop import FINISH_REASONS, new_cache, prefill_and_decode
 from jaxkv.decode.prompt import check_token_ids, reply_text
 from jaxkv.decode.sampler import SEED_LIMIT, Sampler
 from jaxkv.decode.text import text_stream
-from jaxkv.errors import CacheFullError, JaxkvError, check_int
+from jaxkv.errors import INT32_LIMIT, CacheFullError, JaxkvError, check_int
 from jaxkv.io import LoadedModel
 
 FILE_FORMAT = "jaxkv-chat/3"  # 3: cache leaves stored as live prefixes (checkpoint's prefix_format)
@@ -195,7 +195,7 @@ class ChatSession:
             )
         if not isinstance(sampler, Sampler):
             raise JaxkvError(f"ChatSession: sampler must be a jaxkv.Sampler, got {type(sampler).__name__}")
-        for name, value, low, high in (("max_new_tokens", max_new_tokens, 1, None), ("block", block, 1, None),
+        for name, value, low, high in (("max_new_tokens", max_new_tokens, 1, INT32_LIMIT), ("block", block, 1, None),
                                        ("seed", seed, 0, SEED_LIMIT)):
             check_int(f"ChatSession: {name}", value, low, high)
         if system is not None and not isinstance(system, str):

@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxkv.cache.kv import KVCache
+from jaxkv.cache.kv import KVCache, check_fits
 from jaxkv.errors import JaxkvError, check_int
 from jaxkv.io import LoadedModel, registry
 
@@ -145,12 +145,16 @@ def create_cache(spec, mesh: Mesh, *, batch: int, n_layers: int, n_kv_heads: int
     mesh spans several hosts.
 
     Raises:
-      JaxkvError: B not a multiple of the ``data`` size, or K not a multiple of the ``kv`` size.
+      JaxkvError: B not a multiple of the ``data`` size, or K not a multiple of the ``kv`` size;
+        a cache larger than the memory of the mesh's devices together.
     """
     _check_split(batch, n_kv_heads, mesh)
+    sizes = dict(batch=batch, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
+    devices = list(mesh.devices.flat)
+    check_fits(spec, devices=devices, **sizes)  # before tracing, so that the error is the plain one line
 
     def make():
-        return KVCache.create(spec, batch=batch, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
+        return KVCache.create(spec, devices=devices, **sizes)
 
     shardings = cache_shardings(jax.eval_shape(make), mesh)
     return jax.jit(make, out_shardings=shardings)().replace(batch_sharded=True)

@@ -18,7 +18,7 @@ from jaxkv.cache.spec import CacheSpec
 from jaxkv.decode.loop import BatchGeneration, full_cache_len, new_cache, prefill_and_decode
 from jaxkv.decode.prompt import check_token_ids, encode_prompt, reply_text, stop_strings
 from jaxkv.decode.sampler import SEED_LIMIT, Sampler
-from jaxkv.errors import JaxkvError, check_int
+from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int
 from jaxkv.io import LoadedModel, load_model
 
 
@@ -108,7 +108,7 @@ def generate(
     if len(counts) != len(prompts):
         raise JaxkvError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 1 (or one per prompt)")
     for n in counts:
-        check_int("max_new_tokens", n, 1)
+        check_int("max_new_tokens", n, 1, INT32_LIMIT)
     check_int("block", block, 1)
     if ignore_eos:
         eos_id = None
@@ -171,7 +171,7 @@ def sample(
       prompt longer than a full cache (CacheFullError), bad model files (ModelFileError).
     """
     sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
-    check_int("max_new_tokens", max_new_tokens, 1)
+    check_int("max_new_tokens", max_new_tokens, 1, INT32_LIMIT)
     if seed is None:
         seed = secrets.randbelow(SEED_LIMIT) if sampler.temperature > 0 else 0
     check_int("seed", seed, 0, SEED_LIMIT)
