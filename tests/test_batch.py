@@ -24,7 +24,7 @@ import pytest
 
 from paths import REPO, STORIES_BIN, TOK512_MODEL
 from jaxkv import CacheSpec, JaxkvError, generate, sample
-from jaxkv.decode import parallel
+from jaxkv.cache import kv
 from jaxkv.decode.batch import (Row, _RowLimits, padded_batch_size, parse_requests, plan_batches, read_requests, run_rows,
                                 write_jsonl_atomic)
 from jaxkv.cache.ring import write_ring
@@ -356,14 +356,14 @@ def test_read_requests_splits_lines_only_at_line_ends(tmp_path):
     assert [e.line for e in errors] == [2] and "invalid JSON" in errors[0].message  # a raw control character
 
 
-FREE = 64 * 2**20  # free memory the tests pretend to have
+FREE = 64 * 2**20  # the memory the tests pretend the device has
 # stories260K: L=5 layers x K=4 KV heads x H=8 x fp32 x (K + V) + an int32 position = 1284 bytes per slot and row;
 # a batch of 8 rows: 10272 bytes per slot + 32 (lengths); 64 MiB hold 6533 slots, the largest multiple of 256 is 6400
 FIT_SLOTS = 6400
 
 
 def test_bad_rows_are_skipped_by_line_and_the_good_rows_written(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(parallel, "_host_free_bytes", lambda: FREE)
+    monkeypatch.setattr(kv, "device_memory", lambda devices=None: (FREE, "cpu"))
     src = tmp_path / "p.jsonl"
     src.write_bytes(b"\n".join([
         json.dumps({"prompt": "Lily", "id": "a"}).encode(),
@@ -380,7 +380,7 @@ def test_bad_rows_are_skipped_by_line_and_the_good_rows_written(tmp_path, capsys
     err = capsys.readouterr().err.splitlines()
     assert code == 0, err
     needs = "after a prompt of 4 tokens needs a cache of full {slots}, fp32, positions=absolute: {size} for a batch of 8 rows"
-    fits = f"and 64.00 MiB are free: at most max_new_tokens={FIT_SLOTS - 4} fits (or use fewer rows per batch, or a StreamingLLM window)"
+    fits = f"more than the 64.00 MiB of memory: at most max_new_tokens={FIT_SLOTS - 4} fits (or use fewer rows per batch, or a StreamingLLM window)"
     assert [line for line in err if line.startswith(str(src))] == [f"{src}: line {n}: {why} (skipped)" for n, why in [
         (2, "\"prompt\" holds a lone surrogate '\\ud800' at character 0: not valid Unicode text"),
         (3, "invalid JSON (nested too deeply for Python's parser)"),
@@ -401,7 +401,7 @@ def test_bad_rows_are_skipped_by_line_and_the_good_rows_written(tmp_path, capsys
 def test_run_rows_checks_each_row_before_any_allocation(monkeypatch):
     """Without on_error the first row that cannot run raises; with it that row is left out (None) and
     the others decode as they would alone. The largest budget the message offers does fit."""
-    monkeypatch.setattr(parallel, "_host_free_bytes", lambda: FREE)
+    monkeypatch.setattr(kv, "device_memory", lambda devices=None: (FREE, "cpu"))
     lm = tiny_loaded(tokenizer=False)
     rows = [Row(ids=prompt(7, 1), max_new_tokens=5), Row(ids=prompt(3, 2), max_new_tokens=10**9),
             Row(ids=[1, 70_000], max_new_tokens=2), Row(ids=prompt(4, 3), max_new_tokens=3)]

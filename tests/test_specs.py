@@ -265,7 +265,7 @@ def test_flag_defaults_resolve_to_the_spec_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["sample", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
-    assert "KIVI tokens per per-channel key group (default 32)" in shown and "a multiple of G (default 128)" in shown
+    assert "KIVI tokens per per-channel key group (default: 32)" in shown and "a multiple of G (default: 128)" in shown
 
 
 # ---- hypothesis properties -----------------------------------------------------------------------

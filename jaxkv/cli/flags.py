@@ -79,8 +79,8 @@ def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str]
     g.add_argument("--kv-quantize", default="fp32", metavar="MODE",
                    help=f"cache storage: fp32|fp16|bf16|int8|int4|int2 (int* = KIVI) {default('kv_quantize')}")
     g.add_argument("--kv-group-size", type=int, default=None, metavar="G",
-                   help="KIVI tokens per per-channel key group; a window that is not a multiple is rounded down, "
-                        f"with a note {default('kv_group_size', str(CacheSpec.group_size))}")
+                   help=f"KIVI tokens per per-channel key group {default('kv_group_size', str(CacheSpec.group_size))}; "
+                        "a window that is not a multiple of G is rounded down, with a note")
     g.add_argument("--kv-residual", type=int, default=None, metavar="R",
                    help=f"KIVI full-precision recent tokens, a multiple of G {default('kv_residual', str(CacheSpec.residual))}")
     g.add_argument("--max-len", type=int, default=None, metavar="N",

@@ -32,12 +32,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import jax
 
+from jaxkv.cache import kv
 from jaxkv.cache.memory import format_bytes
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.decode import parallel
-from jaxkv.decode.loop import full_cache_len, new_cache, prefill_and_decode, to_host
+from jaxkv.decode.loop import full_cache_len, new_cache, new_cache_bytes, prefill_and_decode, to_host
 from jaxkv.decode.prompt import check_token_ids, encode_prompt, reply_text
 from jaxkv.decode.sampler import SEED_LIMIT, Sampler
 from jaxkv.errors import CacheFullError, JaxkvError, check_int
@@ -270,15 +270,14 @@ class _RowLimits:
         """Bytes of the cache of a batch (``self.batch`` rows) whose largest row needs ``need`` tokens."""
         spec = resolve_cache(self.cache, need)
         if spec not in self._bytes:
-            shapes = jax.eval_shape(lambda: new_cache(self.model.config, spec, self.batch))
-            self._bytes[spec] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+            self._bytes[spec] = new_cache_bytes(self.model.config, spec, self.batch)
         return self._bytes[spec]
 
     def check(self, row: Row) -> None:
         """Raise :class:`JaxkvError` naming why ``row`` cannot run: no tokens, ids outside the
         vocabulary, a budget < 1, a prompt longer than a fixed full cache, prompt + budget past
-        the int32 positions, or (a cache sized per batch) a cache larger than the free memory
-        for a full batch of this row (the message says what would fit)."""
+        the int32 positions, or (a cache sized per batch) a cache larger than the devices' memory
+        (:func:`jaxkv.cache.kv.device_memory`) for a full batch of this row (the message says what would fit)."""
         p = len(row.ids)
         if p == 0:
             raise JaxkvError("run_rows: every prompt needs at least one token")
@@ -291,8 +290,9 @@ class _RowLimits:
             if self.cache.token_limit is not None and p > self.cache.token_limit:
                 raise CacheFullError(f"prompt of {p} tokens does not fit a full cache of max_len={self.cache.token_limit}")
             return
-        if self._free is None:
-            self._free = parallel.free_memory(self.mesh)
+        if self._free is None:  # the memory KVCache.create checks the cache against
+            memory, _ = kv.device_memory(None if self.mesh is None else list(self.mesh.devices.flat))
+            self._free = math.inf if memory is None else memory
         nbytes = self.cache_bytes(p + n)
         if nbytes <= self._free:
             return
@@ -303,7 +303,7 @@ class _RowLimits:
         fits = f"at most max_new_tokens={lo - p} fits" if lo > p else "not even one new token fits"
         raise JaxkvError(f"max_new_tokens={n} after a prompt of {p} tokens needs a cache of "
                          f"{resolve_cache(self.cache, p + n).describe()}: {format_bytes(nbytes)} for a batch of "
-                         f"{self.batch} rows, and {format_bytes(self._free)} are free: {fits} "
+                         f"{self.batch} rows, more than the {format_bytes(self._free)} of memory: {fits} "
                          "(or use fewer rows per batch, or a StreamingLLM window)")
 
 

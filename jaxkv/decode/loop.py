@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jaxkv.cache.kv import KVCache
+from jaxkv.cache.kv import KVCache, cache_bytes
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.decode import parallel
 from jaxkv.decode.sampler import Sampler, prng_keys
@@ -59,12 +59,24 @@ def new_cache(config, spec: CacheSpec, batch: int, *, mesh=None) -> KVCache:
     Raises:
       JaxkvError: a spec the shapes do not fit, or B / K that do not split over the mesh.
     """
-    if hasattr(config, "cache_spec"):
-        spec = config.cache_spec(spec)
-    sizes = dict(batch=batch, n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim)
+    spec, sizes = _model_cache(config, spec, batch)
     if mesh is not None:
         return parallel.create_cache(spec, mesh, **sizes)
     return KVCache.create(spec, **sizes)
+
+
+def new_cache_bytes(config, spec: CacheSpec, batch: int) -> int:
+    """Bytes :func:`new_cache` would allocate (every leaf; counted from shapes, nothing allocated,
+    the memory not checked). Raises: JaxkvError: as :func:`new_cache`."""
+    spec, sizes = _model_cache(config, spec, batch)
+    return cache_bytes(spec, **sizes)
+
+
+def _model_cache(config, spec: CacheSpec, batch: int):
+    """The (per-layer) spec and the sizes of a model's cache of ``batch`` rows."""
+    if hasattr(config, "cache_spec"):
+        spec = config.cache_spec(spec)
+    return spec, dict(batch=batch, n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim)
 
 
 def full_cache_len(n_tokens: int, step: int = 256) -> int:
