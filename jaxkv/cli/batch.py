@@ -60,4 +60,4 @@ def run(args) -> None:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, block=args.block,
         mesh=mesh, progress=not args.no_progress, chat=args.chat, **({"eos_id": None} if args.ignore_eos else {}),
     )
-    say(f"[wrote {len(results)} results to {args.output}; {len(errors)} lines skipped; {stats.summary()}]")
+    say(f"[wrote {len(results)} results to {args.output}; {len(errors)} line{'' if len(errors) == 1 else 's'} skipped; {stats.summary()}]")
