@@ -32,13 +32,13 @@ SINK = 2
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
-def kivi_spec(g, mode, positions, scale_dtype="float32"):
+def kivi_spec(g, mode, positions, scale_dtype="float32", **storage):
     """Small KIVI caches: G=4 -> W=12 with R=4 (absolute) or R=8 (cache: W % R != 0, so
     flushes wrap the quantised ring mid-flush); G=8 -> W=16 with R=16 (absolute: R = W) or R=8."""
     window = {4: 12, 8: 16}[g]
     residual = {(4, "absolute"): 4, (4, "cache"): 8, (8, "absolute"): 16, (8, "cache"): 8}[g, positions]
     return CacheSpec(sink=SINK, window=window, kv_quantize=mode, group_size=g, residual=residual,
-                     positions=positions, scale_dtype=scale_dtype)
+                     positions=positions, scale_dtype=scale_dtype, **storage)
 
 
 def new_cache(spec, batch=1):
@@ -46,8 +46,9 @@ def new_cache(spec, batch=1):
     return KVCache.create(spec, batch=batch, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
 
 
-# 12 (parity) + 2 (float16 scales) + 2 (other shapes) decode specs, 3 chunk shapes, 1 batch-of-2 decode
-@chex.assert_max_traces(n=24)
+# 12 (parity) + 2 (float16 scales) + 2 (other shapes) + 4 (mixed K/V) + 2 (residual dtype) decode specs,
+# 3 chunk shapes, 1 batch-of-2 decode
+@chex.assert_max_traces(n=30)
 def _step(graphdef, state, tokens, n, cache):
     return forward(graphdef, state, tokens, n, cache)
 
@@ -152,6 +153,49 @@ def test_other_kivi_shapes_match_reference(spec):
     expected, ref_held, _ = reference(spec, tokens)
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
     assert held == ref_held
+
+
+@pytest.mark.parametrize("g,keys,values,positions", [
+    (4, "int4", "int8", "cache"), (8, "int2", "fp16", "absolute"), (4, "fp16", "int4", "absolute"),
+    (8, "bf16", "int2", "cache"),
+])
+def test_separate_key_and_value_precision_matches_reference_across_three_wraps(g, keys, values, positions):
+    """Keys and values of their own precision (issue 15): each side quantised with its own
+    bits (the group size and residual are the cache's), or a float side stored as floats of
+    its mode once flushed; RefDecoder rounds the flushed float side to the same dtype.
+
+    Measured agreement: ~2e-6 with two quantised sides, ~3e-5 with a float16/bfloat16 side
+    (the reference computes K/V in float64, jaxkv in float32: a value a hair from a rounding
+    boundary of the float side rounds to its other neighbour)."""
+    spec = kivi_spec(g, "fp32", positions, k_quantize=keys, v_quantize=values)
+    assert spec.kv_modes == (keys, values) and spec.quantized
+    tokens = tokens_for(three_wraps(spec), seed=g + 3)
+    got, held, cache = decode(spec, tokens)
+    expected, ref_held, _ = reference(spec, tokens)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+    assert held == ref_held
+    floats = {name for name in ("k_float", "v_float") if getattr(cache.quant, name) is not None}
+    assert floats == {f"{side}_float" for side, mode in zip("kv", (keys, values)) if not mode.startswith("int")}
+
+
+@pytest.mark.parametrize("dtype,mode,positions", [("float16", "int4", "cache"), ("bfloat16", "int2", "absolute")])
+def test_residual_and_sinks_in_half_precision_match_reference(dtype, mode, positions):
+    """``residual_dtype``: sinks and residual held in float16/bfloat16 (bfloat16 as int16
+    bit patterns), flushed into codes from those stored values; RefDecoder rounds every
+    stored key/value to the same dtype before it is attended or quantised.
+
+    Measured agreement: 1e-6 (bfloat16) and 1.4e-4 (float16: the reference rounds float64
+    keys, jaxkv float32 ones, so a key a hair from a float16 rounding boundary is one ulp,
+    ~5e-4 relative, apart; median 1e-6), hence 5e-4 here: a wrong rounding (to float32, or
+    of the residual only after attending) is 1e-3 or more."""
+    spec = kivi_spec(4, mode, positions, residual_dtype=dtype)
+    tokens = tokens_for(three_wraps(spec), seed=13)
+    got, held, cache = decode(spec, tokens)
+    expected, ref_held, _ = reference(spec, tokens)
+    np.testing.assert_allclose(got, expected, atol=5e-4, rtol=0)
+    assert held == ref_held
+    container = {"float16": jnp.float16, "bfloat16": jnp.int16}[dtype]
+    assert {x.dtype for x in (cache.sink_k, cache.sink_v, cache.ring_k, cache.ring_v)} == {jnp.dtype(container)}
 
 
 # ---------------------------------------------------------------------- 2. chunked prefill
