@@ -216,7 +216,7 @@ def test_kv_quantize_sets_both_sides_and_keeps_todays_cache():
         CacheSpec(kv_quantize="int4", k_quantize="int2", **shape))
     assert mixed.kv_modes == ("int2", "int4") and (mixed.storage.key_bits, mixed.storage.value_bits) == (2, 4)
     with pytest.raises(JaxkvError, match="keys as int2 and values as int4: ask for key_bits or value_bits"):
-        mixed.bits
+        _ = mixed.bits
     assert set(_spec_fields(int4)) == {"max_len", "sink", "window", "kv_quantize", "group_size", "residual", "positions",
                                        "scale_dtype"}
     assert _spec_fields(mixed)["k_quantize"] == "int2" and "residual_dtype" not in _spec_fields(mixed)
@@ -265,7 +265,7 @@ def test_effective_bits_per_element_by_hand():
         spec = CacheSpec(**shape, **storage)
         cache = KVCache.create(spec, batch=2, n_layers=3, n_kv_heads=2, head_dim=8)
         rep = memory_report(cache)
-        assert (rep.store_bits, rep.bits_per_element) == element_bits(jax.eval_shape(lambda: cache)), storage
+        assert (rep.store_bits, rep.bits_per_element) == element_bits(jax.eval_shape(lambda c=cache: c)), storage
         assert rep.store_bits == pytest.approx(store_bits, abs=1e-12) if store_bits else rep.store_bits is None, storage
         assert rep.bits_per_element == pytest.approx(bits, abs=1e-12), storage
     assert rep.summary().endswith("; 16.00 bits/element")
