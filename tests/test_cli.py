@@ -36,7 +36,7 @@ def run_cli(capsys, *argv):
                                               "or values): this one stores keys as fp32 and values as fp32, sinks and window included")),
         (["--kv-quantize", "int4", "--kv-residual-dtype", "float64"], "--kv-residual-dtype float64: expected one of float32, float16, bfloat16"),
         (["--kv-quantize-v", "fp16", "--kv-group-size", "16"], ("--kv-group-size 16 is for a KIVI cache: it needs --kv-quantize "
-                                                                "int8|int4|int2 (or --kv-quantize-k/-v) (the cache is keys fp32, values fp16)")),
+                                                                "int8|int4|int2 (the cache is keys fp32, values fp16)")),
         (["--streaming-llm-window", "60", "--kv-quantize-k", "int2", "--kv-quantize-v", "fp16", "--kv-group-size", "32"],
          "--streaming-llm-window 60 is not a multiple of --kv-group-size 32"),
     ],

@@ -158,7 +158,7 @@ def kivi_flags(args) -> tuple[int, int]:
         if _given(args, field) is not None and not any(m in QUANT_MODES for m in modes):
             shown = modes[0] if modes[0] == modes[1] else f"keys {modes[0]}, values {modes[1]}"
             raise JaxkvError(f"{CACHE_FLAGS[field]} {_given(args, field)} is for a KIVI cache: it needs "
-                             f"--kv-quantize {'|'.join(QUANT_MODES)} (or --kv-quantize-k/-v) (the cache is {shown})")
+                             f"--kv-quantize {'|'.join(QUANT_MODES)} (the cache is {shown})")
     return (CacheSpec.group_size if args.kv_group_size is None else args.kv_group_size,
             CacheSpec.residual if args.kv_residual is None else args.kv_residual)
 
