@@ -61,10 +61,12 @@ _GROUP_LEAVES = ("k_scale", "k_zero")  # one slot per group of G tokens; every o
 
 @dataclasses.dataclass(frozen=True)
 class KiviStorage(Storage):
-    """KIVI codes of ``bits`` per element (``kind`` int8|int4|int2), group size G, residual R.
+    """KIVI codes of ``bits`` per element (``kind`` int8|int4|int2), group size G, residual R;
+    keys and values each with their own mode when ``value_kind`` is set.
 
     Attributes:
-      kind: the keys' mode (int8|int4|int2, or fp32|fp16|bf16 beside quantised values).
+      kind: the keys' mode, and the values' unless ``value_kind`` is set (int8|int4|int2, or
+        fp32|fp16|bf16 beside quantised values).
       group_size: G, tokens per per-channel key group. residual: R, a multiple of G.
       scale_dtype: storage dtype of scales and zeros (arithmetic is always float32).
       value_kind: the values' mode when it differs from ``kind`` (None: ``kind``'s).
