@@ -136,18 +136,24 @@ class RefDecoder:
         ``rope_layout="interleaved"``, the same with Q/K in llama2.c's pair layout.
       cfg: dict with n_heads, n_kv_heads, head_dim, theta, eps, tie.
       sink, window: StreamingLLM sizes (window None = keep everything).
-      bits, group_size, residual: KIVI (bits None = full precision).
+      bits, group_size, residual: KIVI (bits None = full precision). ``bits`` is one int for keys
+        and values, or a pair ``(keys, values)`` whose entries are ints (KIVI bits) or NumPy
+        float dtypes (a float side of a mixed cache: flushed tokens rounded to that dtype).
       scale_dtype: KIVI's scale/zero storage dtype (rounded as jaxkv rounds them: :func:`ref_quantize`).
+      residual_dtype: None (sinks and residual in full precision), or the NumPy float dtype
+        every stored key/value (sinks, residual, before any flush) is rounded to; a token
+        attends to its own key and value unrounded, as jaxkv attends to a chunk's own.
       positions: "absolute" or "cache".
     """
 
     def __init__(self, weights, cfg, *, sink=0, window=None, bits=None, group_size=None, residual=None,
-                 positions="absolute", rope_layout="half", scale_dtype=np.float32):
+                 positions="absolute", rope_layout="half", scale_dtype=np.float32, residual_dtype=None):
         self.w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
         self.cfg = cfg
         self.sink, self.window = sink, window
         self.bits, self.g, self.r = bits, group_size, residual
         self.positions, self.layout, self.scale_dtype = positions, rope_layout, scale_dtype
+        self.residual_dtype = residual_dtype
         self.t = 0
         self.k, self.v = {}, {}  # position -> [L, K, H] as stored (full precision)
         self.kq, self.vq = {}, {}  # position -> [L, K, H] dequantised (flushed tokens)
@@ -179,11 +185,19 @@ class RefDecoder:
         k = np.stack([self.k[p] for p in positions], axis=2)  # [L, K, R, H]
         v = np.stack([self.v[p] for p in positions], axis=2)
         L, K, R, H = k.shape
+        kb, vb = self.bits if isinstance(self.bits, tuple) else (self.bits, self.bits)
         kg = k.reshape(L, K, R // self.g, self.g, H)
-        kd = quantize_dequantize(kg, self.bits, axis=3, scale_dtype=self.scale_dtype).reshape(L, K, R, H)
-        vd = quantize_dequantize(v, self.bits, axis=3, scale_dtype=self.scale_dtype)
+        if isinstance(kb, int):
+            kd = quantize_dequantize(kg, kb, axis=3, scale_dtype=self.scale_dtype).reshape(L, K, R, H)
+        else:  # a float side: the stored floats
+            kd = k.astype(kb).astype(np.float64)
+        vd = quantize_dequantize(v, vb, axis=3, scale_dtype=self.scale_dtype) if isinstance(vb, int) else v.astype(vb).astype(np.float64)
         for i, p in enumerate(positions):
             self.kq[p], self.vq[p] = kd[:, :, i], vd[:, :, i]
+
+    def _stored(self, x):
+        """``x`` as the sinks and residual hold it (rounded to ``residual_dtype``)."""
+        return x if self.residual_dtype is None else x.astype(self.residual_dtype).astype(np.float64)
 
     # -- one token ------------------------------------------------------------------------------
     def _admit(self, entries):
@@ -211,12 +225,13 @@ class RefDecoder:
             k = (h @ w["wk"][l]).reshape(nkv, hd)
             v = (h @ w["wv"][l]).reshape(nkv, hd)
             absolute = self.positions == "absolute"
-            self.k[t][l] = rope(k, t, c["theta"], self.layout) if absolute else k
-            self.v[t][l] = v
+            k = rope(k, t, c["theta"], self.layout) if absolute else k
+            self.k[t][l], self.v[t][l] = self._stored(k), self._stored(v)
             qpos = t if absolute else ranks[t]
             qr = rope(q, qpos, c["theta"], self.layout)
-            kk = np.stack([(self.kq if p in flushed else self.k)[p][l] for p in keys], axis=1)  # [K, S, H]
-            vv = np.stack([(self.vq if p in flushed else self.v)[p][l] for p in keys], axis=1)
+            # the token attends to itself as computed (jaxkv: the chunk's own keys), to the rest as stored
+            kk = np.stack([k if p == t else (self.kq if p in flushed else self.k)[p][l] for p in keys], axis=1)  # [K, S, H]
+            vv = np.stack([v if p == t else (self.vq if p in flushed else self.v)[p][l] for p in keys], axis=1)
             if not absolute:
                 kk = rope(kk, np.array([ranks[p] for p in keys])[None, :], c["theta"], self.layout)
             group = nh // nkv
@@ -254,8 +269,12 @@ def ref_kwargs(spec):
     """RefDecoder keyword arguments describing a CacheSpec."""
     kw = dict(sink=spec.sink, window=spec.window, positions=spec.positions)
     if spec.quantized:
-        kw.update(bits=spec.bits, group_size=spec.group_size, residual=spec.residual,
-                  scale_dtype=np.dtype(spec.scale_dtype).type)
+        storage = spec.storage
+        floats = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
+        kb, vb = (b if b is not None else floats[m] for b, m in zip((storage.key_bits, storage.value_bits), spec.kv_modes))
+        kw.update(bits=kb if kb == vb else (kb, vb), group_size=spec.group_size, residual=spec.residual,
+                  scale_dtype=np.dtype(spec.scale_dtype).type,
+                  residual_dtype=None if spec.residual_dtype == "float32" else NP_DTYPES[spec.residual_dtype])
     return kw
 
 

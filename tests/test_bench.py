@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from paths import REPO
 
-from jaxkv import CacheSpec, KVCache, LlamaConfig, memory_report
+from jaxkv import CacheSpec, JaxkvError, KVCache, LlamaConfig, memory_report
 from jaxkv.cli import main
 from jaxkv.models.llama import weight_shapes
 
@@ -133,3 +133,14 @@ def test_script_is_the_subcommand():
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_decode.py"), SYNTHETIC, "--modes", "sink4"],
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("jaxkv: error: cache mode 'sink4'"), proc.stderr
+
+
+def test_mode_with_separate_key_and_value_storage():
+    """``:K/V`` stores keys as K and values as V (KIVI's G=R=32 when either is int*)."""
+    from jaxkv.eval.bench import parse_mode
+
+    spec = parse_mode("sink4+256:int2/fp16", 64)
+    assert spec == CacheSpec(sink=4, window=256, k_quantize="int2", v_quantize="fp16", group_size=32, residual=32)
+    assert parse_mode("full:int4/int4", 64) == CacheSpec(max_len=64, kv_quantize="int4", group_size=32, residual=32)
+    with pytest.raises(JaxkvError, match=r"cache mode 'full:int4/int3': expected full or sinkS\+W"):
+        parse_mode("full:int4/int3", 64)

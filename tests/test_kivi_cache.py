@@ -32,13 +32,13 @@ SINK = 2
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
-def kivi_spec(g, mode, positions, scale_dtype="float32"):
+def kivi_spec(g, mode, positions, scale_dtype="float32", **storage):
     """Small KIVI caches: G=4 -> W=12 with R=4 (absolute) or R=8 (cache: W % R != 0, so
     flushes wrap the quantised ring mid-flush); G=8 -> W=16 with R=16 (absolute: R = W) or R=8."""
     window = {4: 12, 8: 16}[g]
     residual = {(4, "absolute"): 4, (4, "cache"): 8, (8, "absolute"): 16, (8, "cache"): 8}[g, positions]
     return CacheSpec(sink=SINK, window=window, kv_quantize=mode, group_size=g, residual=residual,
-                     positions=positions, scale_dtype=scale_dtype)
+                     positions=positions, scale_dtype=scale_dtype, **storage)
 
 
 def new_cache(spec, batch=1):
@@ -46,8 +46,9 @@ def new_cache(spec, batch=1):
     return KVCache.create(spec, batch=batch, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
 
 
-# 12 (parity) + 2 (float16 scales) + 2 (other shapes) decode specs, 3 chunk shapes, 1 batch-of-2 decode
-@chex.assert_max_traces(n=24)
+# 12 (parity) + 2 (float16 scales) + 2 (other shapes) + 4 (mixed K/V) + 2 (residual dtype) + 1 (saved) decode specs,
+# 3 chunk shapes, 1 batch-of-2 decode
+@chex.assert_max_traces(n=31)
 def _step(graphdef, state, tokens, n, cache):
     return forward(graphdef, state, tokens, n, cache)
 
@@ -152,6 +153,141 @@ def test_other_kivi_shapes_match_reference(spec):
     expected, ref_held, _ = reference(spec, tokens)
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
     assert held == ref_held
+
+
+@pytest.mark.parametrize("g,keys,values,positions", [
+    (4, "int4", "int8", "cache"), (8, "int2", "fp16", "absolute"), (4, "fp16", "int4", "absolute"),
+    (8, "bf16", "int2", "cache"),
+])
+def test_separate_key_and_value_precision_matches_reference_across_three_wraps(g, keys, values, positions):
+    """Keys and values of their own precision (issue 15): each side quantised with its own
+    bits (the group size and residual are the cache's), or a float side stored as floats of
+    its mode once flushed; RefDecoder rounds the flushed float side to the same dtype.
+
+    Measured agreement: ~2e-6 with two quantised sides, ~3e-5 with a float16/bfloat16 side
+    (the reference computes K/V in float64, jaxkv in float32: a value a hair from a rounding
+    boundary of the float side rounds to its other neighbour)."""
+    spec = kivi_spec(g, "fp32", positions, k_quantize=keys, v_quantize=values)
+    assert spec.kv_modes == (keys, values) and spec.quantized
+    tokens = tokens_for(three_wraps(spec), seed=g + 3)
+    got, held, cache = decode(spec, tokens)
+    expected, ref_held, _ = reference(spec, tokens)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+    assert held == ref_held
+    floats = {name for name in ("k_float", "v_float") if getattr(cache.quant, name) is not None}
+    assert floats == {f"{side}_float" for side, mode in zip("kv", (keys, values)) if not mode.startswith("int")}
+
+
+@pytest.mark.parametrize("dtype,mode,positions", [("float16", "int4", "cache"), ("bfloat16", "int2", "absolute")])
+def test_residual_and_sinks_in_half_precision_match_reference(dtype, mode, positions):
+    """``residual_dtype``: sinks and residual held in float16/bfloat16 (bfloat16 as int16
+    bit patterns), flushed into codes from those stored values; RefDecoder rounds every
+    stored key/value to the same dtype before it is attended or quantised.
+
+    Measured agreement: 1e-6 (bfloat16) and 1.4e-4 (float16: the reference rounds float64
+    keys, jaxkv float32 ones, so a key a hair from a float16 rounding boundary is one ulp,
+    ~5e-4 relative, apart; median 1e-6), hence 5e-4 here; measured against the reference
+    with a float32 residual, the same float16 cache is 1.3e-2 off."""
+    spec = kivi_spec(4, mode, positions, residual_dtype=dtype)
+    tokens = tokens_for(three_wraps(spec), seed=13)
+    got, held, cache = decode(spec, tokens)
+    expected, ref_held, _ = reference(spec, tokens)
+    np.testing.assert_allclose(got, expected, atol=5e-4, rtol=0)
+    assert held == ref_held
+    container = {"float16": jnp.float16, "bfloat16": jnp.int16}[dtype]
+    assert {x.dtype for x in (cache.sink_k, cache.sink_v, cache.ring_k, cache.ring_v)} == {jnp.dtype(container)}
+
+
+def test_kv_quantize_sets_both_sides_and_keeps_todays_cache():
+    """``kv_quantize`` alone is today's cache: the same spec however the sides are written,
+    the same leaves (names, dtypes, shapes) and the same saved spec fields, so jaxkv-chat files
+    and goldens load unchanged; a mixed spec has one canonical form too."""
+    from jaxkv.cache.checkpoint import _spec_fields, named_leaves
+    from jaxkv.cache.storage import FloatStorage
+
+    shape = dict(sink=2, window=16, group_size=4, residual=8)
+    int4 = CacheSpec(kv_quantize="int4", **shape)
+    assert int4 == CacheSpec(k_quantize="int4", v_quantize="int4", **shape) == CacheSpec(kv_quantize="int4", k_quantize="int4", **shape)
+    assert int4.kv_modes == ("int4", "int4") and int4.bits == 4
+    assert CacheSpec(k_quantize="fp32", v_quantize="fp32", **shape) == CacheSpec(**shape)
+    assert CacheSpec(**shape).storage == FloatStorage(kind="fp32")
+    mixed = CacheSpec(k_quantize="int2", v_quantize="int4", **shape)
+    assert mixed == CacheSpec(kv_quantize="int4", k_quantize="int2", **shape) and hash(mixed) == hash(
+        CacheSpec(kv_quantize="int4", k_quantize="int2", **shape))
+    assert mixed.kv_modes == ("int2", "int4") and (mixed.storage.key_bits, mixed.storage.value_bits) == (2, 4)
+    with pytest.raises(JaxkvError, match="keys as int2 and values as int4: ask for key_bits or value_bits"):
+        _ = mixed.bits
+    assert set(_spec_fields(int4)) == {"max_len", "sink", "window", "kv_quantize", "group_size", "residual", "positions",
+                                       "scale_dtype"}
+    assert _spec_fields(mixed)["k_quantize"] == "int2" and "residual_dtype" not in _spec_fields(mixed)
+    layout = [(name, x.dtype.name, x.shape) for name, x in named_leaves(KVCache.create(int4, batch=1, n_layers=2, n_kv_heads=1, head_dim=8))]
+    assert layout == [
+        ("cache.length", "int32", (1,)), ("cache.sink_k", "float32", (2, 1, 1, 2, 8)), ("cache.sink_v", "float32", (2, 1, 1, 2, 8)),
+        ("cache.sink_pos", "int32", (1, 2)), ("cache.ring_k", "float32", (2, 1, 1, 8, 8)), ("cache.ring_v", "float32", (2, 1, 1, 8, 8)),
+        ("cache.ring_pos", "int32", (1, 8)), ("cache.quant.k_codes", "uint8", (2, 1, 1, 16, 4)),
+        ("cache.quant.k_scale", "float16", (2, 1, 1, 4, 8)), ("cache.quant.k_zero", "float16", (2, 1, 1, 4, 8)),
+        ("cache.quant.v_codes", "uint8", (2, 1, 1, 16, 4)), ("cache.quant.v_scale", "float16", (2, 1, 1, 16)),
+        ("cache.quant.v_zero", "float16", (2, 1, 1, 16)), ("cache.quant.pos", "int32", (1, 16)),
+    ]
+    names = [name for name, _ in named_leaves(KVCache.create(CacheSpec(k_quantize="int2", v_quantize="bf16", **shape),
+                                                             batch=1, n_layers=2, n_kv_heads=1, head_dim=8))]
+    assert names[7:] == ["cache.quant.k_codes", "cache.quant.k_scale", "cache.quant.k_zero", "cache.quant.pos", "cache.quant.v_float"]
+
+
+def test_mixed_and_half_residual_specs_refused_by_name():
+    shape = dict(sink=2, window=16, group_size=4, residual=8)
+    with pytest.raises(JaxkvError, match=r"^CacheSpec.k_quantize='int3': expected one of fp32, fp16, bf16, int8, int4, int2$"):
+        CacheSpec(k_quantize="int3", **shape)
+    with pytest.raises(JaxkvError, match=r"^CacheSpec.residual_dtype='float16' is for a quantised cache \(int8, int4 or int2 "
+                                         r"keys or values\): this one stores keys as fp16 and values as bf16"):
+        CacheSpec(k_quantize="fp16", v_quantize="bf16", residual_dtype="float16", **shape)
+    with pytest.raises(JaxkvError, match="window=10 is not a multiple of group_size=4"):  # KIVI's rules: one side quantised
+        CacheSpec(sink=2, window=10, group_size=4, residual=4, k_quantize="fp16", v_quantize="int2")
+    with pytest.raises(JaxkvError, match="head_dim=6 is not a multiple of 4, the int2 codes per byte"):
+        KVCache.create(CacheSpec(k_quantize="int8", v_quantize="int2", **shape), batch=1, n_layers=1, n_kv_heads=1, head_dim=6)
+
+
+def test_effective_bits_per_element_by_hand():
+    """int4, G=32, float16 scales/zeros, head dim 8: keys 4 bits of code + 2 x 16 bits per
+    channel and group of 32 tokens (1 bit), values 4 + 2 x 16 bits per token over 8 channels
+    (4 bits): the store holds (5 + 8) / 2 = 6.5 bits per element. With 4 sinks and 32 residual
+    tokens in float32 beside the 64 window tokens: (36 * 32 * 2 + 64 * 13) / (2 * 100) = 15.68;
+    with them in float16, 9.92; int2 keys beside float16 values: (3 + 16) / 2 = 9.5 and 17.6;
+    an fp16 cache: 16 bits, no store. Positions and lengths are not counted."""
+    from jaxkv.cache.memory import element_bits, memory_report
+
+    shape = dict(sink=4, window=64, group_size=32, residual=32)
+    for storage, store_bits, bits in [(dict(kv_quantize="int4"), 6.5, 15.68),
+                                      (dict(kv_quantize="int4", residual_dtype="float16"), 6.5, 9.92),
+                                      (dict(kv_quantize="int4", residual_dtype="bfloat16"), 6.5, 9.92),
+                                      (dict(k_quantize="int2", v_quantize="fp16"), 9.5, 17.6),
+                                      (dict(kv_quantize="fp16"), None, 16.0)]:
+        spec = CacheSpec(**shape, **storage)
+        cache = KVCache.create(spec, batch=2, n_layers=3, n_kv_heads=2, head_dim=8)
+        rep = memory_report(cache)
+        assert (rep.store_bits, rep.bits_per_element) == element_bits(jax.eval_shape(lambda c=cache: c)), storage
+        assert rep.store_bits == pytest.approx(store_bits, abs=1e-12) if store_bits else rep.store_bits is None, storage
+        assert rep.bits_per_element == pytest.approx(bits, abs=1e-12), storage
+    assert rep.summary().endswith("; 16.00 bits/element")
+    half = memory_report(KVCache.create(CacheSpec(**shape, kv_quantize="int4", residual_dtype="float16"), batch=1,
+                                        n_layers=1, n_kv_heads=1, head_dim=8))
+    assert half.allocated["residual"] == 2 * 32 * 8 * 2 and half.allocated["sinks"] == 2 * 4 * 8 * 2  # float16: half of today's
+    assert half.summary().endswith("; 6.50 bits/element in the quantised store (codes + scales + zeros), 9.92 with residual and sinks")
+
+
+def test_mixed_cache_saves_and_loads_bit_for_bit(tmp_path):
+    """A cache with a float side in the store (bf16 values as int16 bit patterns) and a
+    float16 residual: save_cache/load_cache give back every leaf bit for bit."""
+    from jaxkv.cache.checkpoint import load_cache, named_leaves, save_cache
+
+    spec = kivi_spec(4, "bf16", "cache", k_quantize="int4", residual_dtype="float16")
+    _, _, cache = decode(spec, tokens_for(spec.sink + 2 * spec.residual + 3, seed=2))
+    assert cache.quant.v_float is not None and int(cache.stored()[0]) > spec.sink + spec.residual
+    save_cache(tmp_path / "c.safetensors", cache)
+    back, _, _ = load_cache(tmp_path / "c.safetensors", new_cache(spec))
+    assert back.spec == spec
+    for (name, a), (_, b) in zip(named_leaves(cache), named_leaves(back), strict=True):
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
 
 
 # ---------------------------------------------------------------------- 2. chunked prefill

@@ -50,16 +50,17 @@ from jaxkv.files import atomic_write
 
 FILE_FORMAT = "jaxkv-cache/1"
 _RESERVED = ("format", "spec", "checksum", "prefixes")
-_LATER_SPEC_FIELDS = ("attention_window",)
-"""CacheSpec fields added after the format was defined: written only when set, so a cache
-that does not use them is saved byte for byte as before."""
+_LATER_SPEC_FIELDS = ("attention_window", "k_quantize", "v_quantize", "residual_dtype")
+"""CacheSpec fields added after the format was defined: written only when not their default,
+so a cache that does not use them is saved byte for byte as before."""
 
 
 def _spec_fields(spec) -> dict:
     """The JSON fields of a :class:`CacheSpec` (or :class:`LayerSpecs`: ``{"specs": [...]}``)."""
     if isinstance(spec, LayerSpecs):
         return {"specs": [_spec_fields(s) for s in spec.specs]}
-    return {k: v for k, v in dataclasses.asdict(spec).items() if not (k in _LATER_SPEC_FIELDS and v is None)}
+    defaults = {f.name: f.default for f in dataclasses.fields(CacheSpec)}
+    return {k: v for k, v in dataclasses.asdict(spec).items() if not (k in _LATER_SPEC_FIELDS and v == defaults[k])}
 
 
 def named_leaves(cache) -> list[tuple[str, jax.Array]]:

@@ -22,7 +22,7 @@ from jax import lax
 
 from jaxkv.cache import kivi
 from jaxkv.cache.ring import write_ring
-from jaxkv.cache.storage import Storage
+from jaxkv.cache.storage import FLOAT_DTYPES, Storage, as_container
 from jaxkv.errors import JaxkvError
 
 BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -32,42 +32,86 @@ BITS = {"int8": 8, "int4": 4, "int2": 2}
 class QuantRing:
     """KIVI storage of the last W flushed window tokens (KIVI §3.2, §4).
 
+    A quantised side has codes, scales and zeros (its float leaf is None); a float side of
+    a mixed spec has its float leaf (the codes, scales and zeros are None).
+
     Attributes:
       k_codes: uint8[L, B, K, W, H/cpb], keys quantised per-channel, codes packed along H.
       k_scale, k_zero: [L, B, K, W/G, H] (scale_dtype), one pair per channel and group of G tokens.
       v_codes: uint8[L, B, K, W, H/cpb], values quantised per-token.
       v_scale, v_zero: [L, B, K, W] (scale_dtype), one pair per token.
       pos: int32[B, W], absolute position per token slot, -1 = empty (None in a per-layer view).
+      k_float, v_float: [L, B, K, W, H] keys/values of a float side (fp32, fp16, or bf16 held
+        as int16 bit patterns), else None.
     """
 
-    k_codes: jax.Array
-    k_scale: jax.Array
-    k_zero: jax.Array
-    v_codes: jax.Array
-    v_scale: jax.Array
-    v_zero: jax.Array
+    k_codes: jax.Array | None
+    k_scale: jax.Array | None
+    k_zero: jax.Array | None
+    v_codes: jax.Array | None
+    v_scale: jax.Array | None
+    v_zero: jax.Array | None
     pos: jax.Array | None
+    k_float: jax.Array | None = None
+    v_float: jax.Array | None = None
+
+
+_GROUP_LEAVES = ("k_scale", "k_zero")  # one slot per group of G tokens; every other leaf: one per token
 
 
 @dataclasses.dataclass(frozen=True)
 class KiviStorage(Storage):
-    """KIVI codes of ``bits`` per element (``kind`` int8|int4|int2), group size G, residual R.
+    """KIVI codes of ``bits`` per element (``kind`` int8|int4|int2), group size G, residual R;
+    keys and values each with their own mode when ``value_kind`` is set.
 
     Attributes:
+      kind: the keys' mode, and the values' unless ``value_kind`` is set (int8|int4|int2, or
+        fp32|fp16|bf16 beside quantised values).
       group_size: G, tokens per per-channel key group. residual: R, a multiple of G.
       scale_dtype: storage dtype of scales and zeros (arithmetic is always float32).
+      value_kind: the values' mode when it differs from ``kind`` (None: ``kind``'s).
+      residual_dtype: float dtype of the sinks and the residual (float32, float16, bfloat16).
     """
 
     kind: str = "int4"
     group_size: int = 32
     residual: int = 128
     scale_dtype: str = "float16"
+    value_kind: str | None = None
+    residual_dtype: str = "float32"
 
     ring_group = "residual"
 
     @property
+    def modes(self) -> tuple:
+        """``(keys' mode, values' mode)``."""
+        return self.kind, self.value_kind or self.kind
+
+    @property
+    def key_bits(self) -> int | None:
+        """Bits per key code (None: the keys are stored as floats)."""
+        return BITS.get(self.modes[0])
+
+    @property
+    def value_bits(self) -> int | None:
+        """Bits per value code (None: the values are stored as floats)."""
+        return BITS.get(self.modes[1])
+
+    @property
     def bits(self) -> int:
-        return BITS[self.kind]
+        """Bits per code of keys and values alike.
+
+        Raises:
+          JaxkvError: keys and values of different precision (use :attr:`key_bits`, :attr:`value_bits`).
+        """
+        if self.key_bits != self.value_bits:
+            raise JaxkvError(f"the cache stores keys as {self.modes[0]} and values as {self.modes[1]}: "
+                             "ask for key_bits or value_bits")
+        return self.key_bits
+
+    @property
+    def float_dtype(self):
+        return jnp.dtype(self.residual_dtype)
 
     @property
     def flush(self) -> int:
@@ -89,20 +133,39 @@ class KiviStorage(Storage):
         return window - window % self.group_size
 
     def create_store(self, policy, *, lbk: tuple, head_dim: int, batch: int) -> QuantRing:
-        per_byte = 8 // self.bits
-        if head_dim % per_byte:
-            raise JaxkvError(f"head_dim={head_dim} is not a multiple of {per_byte}, the {self.kind} codes per byte")
+        for mode, bits in zip(self.modes, (self.key_bits, self.value_bits)):
+            if bits is not None and head_dim % (8 // bits):
+                raise JaxkvError(f"head_dim={head_dim} is not a multiple of {8 // bits}, the {mode} codes per byte")
         w, g, sdt = self.store_slots(policy), self.group_size, jnp.dtype(self.scale_dtype)
-        width = head_dim // per_byte
-        return QuantRing(
-            k_codes=jnp.zeros(lbk + (w, width), jnp.uint8),
-            k_scale=jnp.ones(lbk + (w // g, head_dim), sdt),
-            k_zero=jnp.zeros(lbk + (w // g, head_dim), sdt),
-            v_codes=jnp.zeros(lbk + (w, width), jnp.uint8),
-            v_scale=jnp.ones(lbk + (w,), sdt),
-            v_zero=jnp.zeros(lbk + (w,), sdt),
-            pos=jnp.full((batch, w), -1, jnp.int32),
-        )
+        leaves = {}
+        if self.key_bits is None:
+            leaves.update(k_float=as_container(jnp.zeros(lbk + (w, head_dim)), FLOAT_DTYPES[self.modes[0]]))
+        else:
+            leaves.update(k_codes=jnp.zeros(lbk + (w, head_dim * self.key_bits // 8), jnp.uint8),
+                          k_scale=jnp.ones(lbk + (w // g, head_dim), sdt), k_zero=jnp.zeros(lbk + (w // g, head_dim), sdt))
+        if self.value_bits is None:
+            leaves.update(v_float=as_container(jnp.zeros(lbk + (w, head_dim)), FLOAT_DTYPES[self.modes[1]]))
+        else:
+            leaves.update(v_codes=jnp.zeros(lbk + (w, head_dim * self.value_bits // 8), jnp.uint8),
+                          v_scale=jnp.ones(lbk + (w,), sdt), v_zero=jnp.zeros(lbk + (w,), sdt))
+        return QuantRing(**{name: leaves.get(name) for name in QuantRing.__dataclass_fields__ if name != "pos"},
+                         pos=jnp.full((batch, w), -1, jnp.int32))
+
+    def _encode(self, k, v) -> dict:
+        """The store leaves (by name) of R residual keys/values ``[..., R, H]``: codes, scales
+        and zeros of a quantised side, floats of a float side."""
+        out = {}
+        if self.key_bits is None:
+            out["k_float"] = as_container(k, FLOAT_DTYPES[self.modes[0]])
+        else:
+            qk = kivi.quantize_keys(k, bits=self.key_bits, group_size=self.group_size, scale_dtype=self.scale_dtype)
+            out.update(k_codes=qk.codes, k_scale=qk.scale, k_zero=qk.zero)
+        if self.value_bits is None:
+            out["v_float"] = as_container(v, FLOAT_DTYPES[self.modes[1]])
+        else:
+            qv = kivi.quantize_values(v, bits=self.value_bits, scale_dtype=self.scale_dtype)
+            out.update(v_codes=qv.codes, v_scale=qv.scale, v_zero=qv.zero)
+        return out
 
     def flush_ring(self, cache, n):
         """KIVI lazy flush: rows about to append to a full residual quantise it first.
@@ -114,55 +177,57 @@ class KiviStorage(Storage):
         u0 = cache.length - sink
         flush = (n > 0) & (u0 > 0) & (u0 % r == 0)
         q = cache.quant
-
-        def quantize(k, v):
-            return (
-                kivi.quantize_keys(k, bits=self.bits, group_size=g, scale_dtype=self.scale_dtype),
-                kivi.quantize_values(v, bits=self.bits, scale_dtype=self.scale_dtype),
-            )
+        ring_k, ring_v = self.read(cache.ring_k), self.read(cache.ring_v)
 
         # quantise only when some row flushes; the (small, R-token) result is then written
         # in place with a per-row count of 0 or R, so no step copies the quantised ring
-        shapes = jax.eval_shape(quantize, cache.ring_k, cache.ring_v)
-        qk, qv = lax.cond(
-            jnp.any(flush), quantize, lambda k, v: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-            cache.ring_k, cache.ring_v,
+        shapes = jax.eval_shape(self._encode, ring_k, ring_v)
+        new = lax.cond(
+            jnp.any(flush), self._encode, lambda k, v: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+            ring_k, ring_v,
         )
         start = (u0 - r) % q.pos.shape[1]  # slot of the residual's first token
         count = jnp.where(flush, r, 0)
-        gstart, gcount = start // g, count // g
         tok = dict(batch_axis=1, slot_axis=3, batch_parallel=cache.batch_sharded)
-        quant = QuantRing(
-            k_codes=write_ring(q.k_codes, qk.codes, start, count, **tok),
-            k_scale=write_ring(q.k_scale, qk.scale, gstart, gcount, **tok),
-            k_zero=write_ring(q.k_zero, qk.zero, gstart, gcount, **tok),
-            v_codes=write_ring(q.v_codes, qv.codes, start, count, **tok),
-            v_scale=write_ring(q.v_scale, qv.scale, start, count, **tok),
-            v_zero=write_ring(q.v_zero, qv.zero, start, count, **tok),
-            pos=write_ring(q.pos, cache.ring_pos, start, count, batch_axis=0, slot_axis=1,
-                           batch_parallel=cache.batch_sharded),
-        )
+        written = {name: write_ring(getattr(q, name), x, *((start // g, count // g) if name in _GROUP_LEAVES
+                                                            else (start, count)), **tok)
+                   for name, x in new.items()}
+        quant = q.replace(**written, pos=write_ring(q.pos, cache.ring_pos, start, count, batch_axis=0, slot_axis=1,
+                                                    batch_parallel=cache.batch_sharded))
         return cache.replace(quant=quant, ring_pos=jnp.where(flush[:, None], -1, cache.ring_pos))
 
     def segments(self, store: QuantRing, pos, dtype) -> list:
         """The quantised ring of one layer as channel blocks (KIVI §3.2): one segment whose
-        keys and values are lists of 1 (int8) or ``8 // bits`` arrays ``dtype[B, K, W, H / n]``
-        (see ``blocks`` of :func:`jaxkv.cache.kivi.dequantize_affine`), never concatenated."""
-        k = kivi.dequantize_keys(
-            kivi.QuantizedKeys(codes=store.k_codes, scale=store.k_scale, zero=store.k_zero),
-            bits=self.bits, group_size=self.group_size, dtype=dtype, blocks=True,
-        )
-        v = kivi.dequantize_values(
-            kivi.QuantizedValues(codes=store.v_codes, scale=store.v_scale, zero=store.v_zero),
-            bits=self.bits, dtype=dtype, blocks=True,
-        )
+        keys and values are lists of 1 (int8, a float side) or ``8 // bits`` arrays
+        ``dtype[B, K, W, H / n]`` (see ``blocks`` of :func:`jaxkv.cache.kivi.dequantize_affine`),
+        never concatenated."""
+        if self.key_bits is None:
+            k = [self.read(store.k_float).astype(dtype)]
+        else:
+            k = kivi.dequantize_keys(
+                kivi.QuantizedKeys(codes=store.k_codes, scale=store.k_scale, zero=store.k_zero),
+                bits=self.key_bits, group_size=self.group_size, dtype=dtype, blocks=True,
+            )
+        if self.value_bits is None:
+            v = [self.read(store.v_float)]
+        else:
+            v = kivi.dequantize_values(
+                kivi.QuantizedValues(codes=store.v_codes, scale=store.v_scale, zero=store.v_zero),
+                bits=self.value_bits, dtype=dtype, blocks=True,
+            )
         return [(k, v, pos)]
 
     def memory_groups(self, store: QuantRing) -> list:
-        return [
-            ("codes", [store.k_codes, store.v_codes], store.pos),
-            ("scales_zeros", [store.k_scale, store.k_zero, store.v_scale, store.v_zero], store.pos),
-        ]
+        """Codes, scales and zeros of the quantised sides; a float side's window tokens as ``window``."""
+        def present(*names):
+            return [getattr(store, name) for name in names if getattr(store, name) is not None]
+
+        groups = [("codes", present("k_codes", "v_codes"), store.pos),
+                  ("scales_zeros", present("k_scale", "k_zero", "v_scale", "v_zero"), store.pos),
+                  ("window", present("k_float", "v_float"), store.pos)]
+        return [group for group in groups if group[1]]
 
     def describe(self) -> str:
-        return f"{self.kind} (G={self.group_size}, R={self.residual})"
+        k, v = self.modes
+        extra = "" if self.residual_dtype == "float32" else f", residual {self.residual_dtype}"
+        return f"{k if k == v else f'K {k} V {v}'} (G={self.group_size}, R={self.residual}{extra})"

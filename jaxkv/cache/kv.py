@@ -153,8 +153,8 @@ class KVCache:
         lbk = (n_layers, batch, n_kv_heads)
         storage = spec.storage
 
-        def slots(n):
-            return storage.to_container(jnp.zeros(lbk + (n, head_dim)))
+        def slots(n, values=False):
+            return storage.to_container(jnp.zeros(lbk + (n, head_dim)), values=values)
 
         def empty_pos(n):
             return jnp.full((batch, n), -1, jnp.int32)
@@ -165,10 +165,10 @@ class KVCache:
             spec=spec,
             length=jnp.zeros((batch,), jnp.int32),
             sink_k=slots(spec.n_sink) if has_sink else None,
-            sink_v=slots(spec.n_sink) if has_sink else None,
+            sink_v=slots(spec.n_sink, values=True) if has_sink else None,
             sink_pos=empty_pos(spec.n_sink) if has_sink else None,
             ring_k=slots(spec.n_ring),
-            ring_v=slots(spec.n_ring),
+            ring_v=slots(spec.n_ring, values=True),
             ring_pos=empty_pos(spec.n_ring),
             quant=store,
         )
@@ -275,7 +275,7 @@ class KVCache:
         in_sink, sink_slot, ring_slot = self.policy.write_slots(self.length, self.spec.n_ring)
         kv = dict(batch_axis=1, slot_axis=3, batch_parallel=self.batch_sharded)
         pos_axes = dict(batch_axis=0, slot_axis=1, batch_parallel=self.batch_sharded)
-        k_new, v_new = self.storage.to_container(k_new), self.storage.to_container(v_new)
+        k_new, v_new = self.storage.to_container(k_new), self.storage.to_container(v_new, values=True)
         new = {}
         if self.sink_k is not None:
             ns = jnp.where(in_sink, n, 0)

@@ -35,6 +35,10 @@ class MemoryReport:
       by_spec: ``((spec description, layers, allocated bytes), ...)``, one entry per distinct
         layer cache (more than one for per-layer specs, e.g. a model's local sliding-window
         layers beside its global ones).
+      store_bits: effective bits per K/V element of the quantised store (codes + scales +
+        zeros, and a float side's floats), None without one (see :func:`element_bits`).
+      bits_per_element: effective bits per cached K/V element of the whole cache, residual and
+        sinks included (see :func:`element_bits`).
     """
 
     allocated: dict
@@ -43,6 +47,8 @@ class MemoryReport:
     tokens_seen: tuple
     capacity: int
     by_spec: tuple = ()
+    store_bits: float | None = None
+    bits_per_element: float | None = None
 
     @property
     def allocated_bytes(self) -> int:
@@ -59,9 +65,45 @@ class MemoryReport:
         """
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.allocated.items() if v)
         line = f"cache {format_bytes(self.allocated_bytes)} allocated, {format_bytes(self.live_bytes)} live ({parts})"
+        if self.bits_per_element is not None:
+            line += f"; {bits_text(self.store_bits, self.bits_per_element)}"
         if len(self.by_spec) > 1:
             line += "; " + "; ".join(f"{n} layer{'s' if n > 1 else ''} of {desc}: {format_bytes(b)}" for desc, n, b in self.by_spec)
         return line
+
+
+def element_bits(cache) -> tuple[float | None, float]:
+    """Effective bits per K/V element of a cache, counted from its leaves' shapes and dtypes
+    (the cache, or its shapes from ``jax.eval_shape``: nothing is read).
+
+    Returns:
+      ``(store_bits, bits)``: ``store_bits`` = 8 x bytes of the quantised store (codes,
+      scales and zeros; a float side's floats in a mixed cache) / the K/V elements it has
+      slots for (``2 * L * B * K * W * H``), None for a cache without a store; ``bits`` = 8 x
+      bytes of sinks, ring (window or residual) and store / the K/V elements of the whole
+      capacity (``2 * L * B * K * C * H``). Positions and lengths (bookkeeping) are left out
+      of both. A :class:`LayeredCache` sums over its runs of layers.
+    """
+    def nbytes(leaves):
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves if x is not None)
+
+    store_bytes = store_elements = total_bytes = total_elements = 0
+    for part in getattr(cache, "groups", (cache,)):
+        per_slot = 2 * int(np.prod(part.ring_k.shape)) // part.ring_k.shape[3]  # K and V elements of one token slot
+        ring = nbytes([part.sink_k, part.sink_v, part.ring_k, part.ring_v])
+        store = 0 if part.quant is None else nbytes(jax.tree.leaves(part.quant.replace(pos=None)))
+        slots = 0 if part.quant is None else part.quant.pos.shape[1]
+        store_bytes, store_elements = store_bytes + store, store_elements + per_slot * slots
+        total_bytes, total_elements = total_bytes + ring + store, total_elements + per_slot * part.spec.capacity
+    return (8 * store_bytes / store_elements if store_elements else None), 8 * total_bytes / total_elements
+
+
+def bits_text(store_bits: float | None, bits: float) -> str:
+    """``6.50 bits/element in the quantised store (codes + scales + zeros), 15.68 with residual and sinks``
+    (or ``16.00 bits/element`` without a store)."""
+    if store_bits is None:
+        return f"{bits:.2f} bits/element"
+    return f"{store_bits:.2f} bits/element in the quantised store (codes + scales + zeros), {bits:.2f} with residual and sinks"
 
 
 def memory_report(cache: KVCache | LayeredCache) -> MemoryReport:
@@ -95,6 +137,7 @@ def memory_report(cache: KVCache | LayeredCache) -> MemoryReport:
                 add(group, leaves, pos)
         book += sum(int(x.nbytes) for x in [part.length] + part.positions())
     allocated["bookkeeping"] = live["bookkeeping"] = book
+    store_bits, bits = element_bits(cache)
     return MemoryReport(
         allocated={k: v for k, v in allocated.items()},
         live=live,
@@ -102,4 +145,6 @@ def memory_report(cache: KVCache | LayeredCache) -> MemoryReport:
         tokens_seen=tuple(int(x) for x in np.asarray(cache.length)),
         capacity=cache.spec.capacity,
         by_spec=tuple((desc, n, b) for desc, (n, b) in by_spec.items()),
+        store_bits=store_bits,
+        bits_per_element=bits,
     )

@@ -23,14 +23,19 @@ FLOAT_MODES = tuple(FLOAT_DTYPES)
 QUANT_MODES = tuple(BITS)
 KV_MODES = FLOAT_MODES + QUANT_MODES
 SCALE_DTYPES = ("float16", "float32")
+RESIDUAL_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def make_storage(kv_quantize: str, *, group_size: int = 32, residual: int = 128, scale_dtype: str = "float16") -> Storage:
-    """The :class:`Storage` a ``kv_quantize`` mode names (values as :class:`CacheSpec` takes them;
-    validated there). The one place a storage kind is chosen by name."""
-    if kv_quantize in QUANT_MODES:
-        return KiviStorage(kind=kv_quantize, group_size=group_size, residual=residual, scale_dtype=scale_dtype)
-    return FloatStorage(kind=kv_quantize)
+def make_storage(kv_quantize: str, v_quantize: str | None = None, *, group_size: int = 32, residual: int = 128,
+                 scale_dtype: str = "float16", residual_dtype: str = "float32") -> Storage:
+    """The :class:`Storage` of keys in ``kv_quantize`` and values in ``v_quantize`` (None: the
+    keys' mode), values as :class:`CacheSpec` takes them (validated there). The one place a
+    storage kind is chosen by name: KIVI when either side is int8/int4/int2, else float."""
+    value_kind = None if v_quantize in (None, kv_quantize) else v_quantize
+    if kv_quantize in QUANT_MODES or value_kind in QUANT_MODES:
+        return KiviStorage(kind=kv_quantize, group_size=group_size, residual=residual, scale_dtype=scale_dtype,
+                           value_kind=value_kind, residual_dtype=residual_dtype)
+    return FloatStorage(kind=kv_quantize, value_kind=value_kind)
 
 
 def _divisors_near(n: int, g: int, most: int = 6) -> list:
@@ -49,13 +54,22 @@ class CacheSpec:
     the last ``W`` tokens; its size stops growing at ``sink + W`` slots. With
     ``kv_quantize`` in ``int8|int4|int2`` (KIVI), window tokens first land in a
     full-precision residual of up to ``residual`` tokens, then move, ``group_size`` at a
-    time, into bit-packed codes; sinks stay in full precision.
+    time, into bit-packed codes; sinks stay in full precision (``residual_dtype``).
+
+    Keys and values may differ (``k_quantize``/``v_quantize``, llama.cpp's ``-ctk``/``-ctv``):
+    when either side is quantised, the residual, group size and window rules of KIVI apply
+    to the cache, and a float side is moved with the quantised one into the window, as
+    floats of its own mode. Equal modes are one spec however they are written: a side equal
+    to ``kv_quantize`` is stored as None, and two explicit sides that differ keep the values'
+    in ``kv_quantize`` (``CacheSpec(k_quantize="int2", v_quantize="int4") ==
+    CacheSpec(kv_quantize="int4", k_quantize="int2")``); :attr:`kv_modes` gives both.
 
     Attributes:
       max_len: slots of a full cache, tokens (required when ``window`` is None, ignored otherwise).
       sink: S0, first tokens always kept (attention sinks, StreamingLLM §3).
       window: W, most recent tokens kept (for KIVI: most recent *flushed* tokens); None = full cache.
-      kv_quantize: storage precision, one of fp32, fp16, bf16, int8, int4, int2.
+      kv_quantize: storage precision of keys and values, one of fp32, fp16, bf16, int8, int4, int2.
+      k_quantize, v_quantize: None, or the keys' (values') precision, overriding ``kv_quantize``.
       group_size: G, tokens per per-channel key quantisation group (KIVI §3.2).
       residual: R, full-precision recent tokens before quantisation (KIVI §4), a multiple of G.
       positions: ``absolute`` (keys keep RoPE of their original position) or ``cache``
@@ -64,6 +78,8 @@ class CacheSpec:
       attention_window: None, or A: a query attends only to the last A positions (itself
         included) even when more are stored: a model's local sliding-window layer
         (Mistral, Gemma 2/3). Made by :meth:`local`.
+      residual_dtype: float dtype of the sinks and the KIVI residual (float32, float16,
+        bfloat16); a quantised cache only (a float cache stores them in its own mode).
 
     Raises:
       JaxkvError: on any value outside the accepted ranges (the message names it).
@@ -78,12 +94,26 @@ class CacheSpec:
     positions: str = "absolute"
     scale_dtype: str = "float16"
     attention_window: int | None = None
+    k_quantize: str | None = None
+    v_quantize: str | None = None
+    residual_dtype: str = "float32"
 
     def __post_init__(self):
-        for name, accepted in (("kv_quantize", KV_MODES), ("positions", POSITION_MODES), ("scale_dtype", SCALE_DTYPES)):
+        for name, accepted in (("kv_quantize", KV_MODES), ("k_quantize", KV_MODES), ("v_quantize", KV_MODES),
+                               ("positions", POSITION_MODES), ("scale_dtype", SCALE_DTYPES),
+                               ("residual_dtype", RESIDUAL_DTYPES)):
             value = getattr(self, name)
+            if value is None and name in ("k_quantize", "v_quantize"):
+                continue
             if not isinstance(value, str) or value not in accepted:
                 self._refuse(f"{{{name}}}: expected one of {', '.join(accepted)}")
+        k, v = self.k_quantize or self.kv_quantize, self.v_quantize or self.kv_quantize
+        # one canonical form per pair of modes: the values' mode in kv_quantize, a differing keys' in k_quantize
+        for name, value in (("kv_quantize", v), ("k_quantize", None if k == v else k), ("v_quantize", None)):
+            object.__setattr__(self, name, value)
+        if self.residual_dtype != "float32" and not self.quantized:
+            self._refuse(f"{{residual_dtype}} is for a quantised cache (int8, int4 or int2 keys or values): this one "
+                         f"stores keys as {k} and values as {v}, sinks and window included")
         for name, minimum in (("sink", 0), ("max_len", 1), ("window", 1), ("attention_window", 1),
                               ("group_size", 1), ("residual", 1)):
             value = getattr(self, name)
@@ -142,9 +172,9 @@ class CacheSpec:
     # ---- the typed parts ----------------------------------------------------------------------
     @functools.cached_property
     def storage(self) -> Storage:
-        """The :class:`jaxkv.cache.storage.Storage` of ``kv_quantize`` (float or KIVI)."""
-        return make_storage(self.kv_quantize, group_size=self.group_size, residual=self.residual,
-                            scale_dtype=self.scale_dtype)
+        """The :class:`jaxkv.cache.storage.Storage` of :attr:`kv_modes` (float or KIVI)."""
+        return make_storage(*self.kv_modes, group_size=self.group_size, residual=self.residual,
+                            scale_dtype=self.scale_dtype, residual_dtype=self.residual_dtype)
 
     @functools.cached_property
     def policy(self) -> Policy:
@@ -179,13 +209,19 @@ class CacheSpec:
 
     # ---- derived sizes (all static Python ints) -------------------------------------------
     @property
+    def kv_modes(self) -> tuple:
+        """``(keys' mode, values' mode)``, e.g. ``("int2", "fp16")``."""
+        return self.k_quantize or self.kv_quantize, self.kv_quantize
+
+    @property
     def quantized(self) -> bool:
-        """True for KIVI modes (int8, int4, int2)."""
-        return self.kv_quantize in QUANT_MODES
+        """True when keys or values are KIVI codes (int8, int4, int2)."""
+        return any(mode in QUANT_MODES for mode in self.kv_modes)
 
     @property
     def bits(self) -> int:
-        """Bits per stored code (KIVI modes only)."""
+        """Bits per stored code of keys and values (KIVI modes with one precision only; see
+        ``storage.key_bits`` and ``storage.value_bits``)."""
         return self.storage.bits
 
     @property

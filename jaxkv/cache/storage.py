@@ -29,6 +29,13 @@ from jax import lax
 FLOAT_DTYPES = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16}
 
 
+def as_container(x, dtype):
+    """``x`` cast to the float ``dtype`` of a cache leaf, bfloat16 held as int16 bit patterns
+    (see :meth:`Storage.to_container`); :meth:`Storage.read` undoes it."""
+    x = x.astype(dtype)
+    return lax.bitcast_convert_type(x, jnp.int16) if x.dtype == jnp.bfloat16 else x
+
+
 @dataclasses.dataclass(frozen=True)
 class Storage:
     """Common part of every storage (frozen, hashable). Subclasses set :attr:`kind`."""
@@ -39,16 +46,21 @@ class Storage:
     # ---- full-precision leaves (sinks, ring) -----------------------------------------------------
     @property
     def float_dtype(self):
-        """The float dtype of sinks and ring."""
+        """The float dtype of the keys in sinks and ring."""
         return jnp.float32
 
-    def to_container(self, x):
-        """Keys/values ``[..., H]`` as the sink/ring leaves hold them: ``float_dtype``, with
-        bfloat16 held as int16 bit patterns (XLA CPU converts a whole bfloat16 operand to
-        float32 for a slice or an update, which would copy the cache at every step; as int16
-        the per-layer reads and in-place writes stay what they are for fp16; same bytes)."""
-        x = x.astype(self.float_dtype)
-        return lax.bitcast_convert_type(x, jnp.int16) if x.dtype == jnp.bfloat16 else x
+    @property
+    def value_dtype(self):
+        """The float dtype of the values in sinks and ring (the keys' unless a storage says otherwise)."""
+        return self.float_dtype
+
+    def to_container(self, x, *, values: bool = False):
+        """Keys (or, with ``values``, values) ``[..., H]`` as the sink/ring leaves hold them:
+        :attr:`float_dtype` (:attr:`value_dtype`), with bfloat16 held as int16 bit patterns
+        (XLA CPU converts a whole bfloat16 operand to float32 for a slice or an update, which
+        would copy the cache at every step; as int16 the per-layer reads and in-place writes
+        stay what they are for fp16; same bytes)."""
+        return as_container(x, self.value_dtype if values else self.float_dtype)
 
     @staticmethod
     def read(x):
@@ -98,8 +110,18 @@ class Storage:
 
 @dataclasses.dataclass(frozen=True)
 class FloatStorage(Storage):
-    """Sinks and window in fp32, fp16 or bf16 (``kind``); no compressed store."""
+    """Sinks and window in fp32, fp16 or bf16 (``kind``; the values in ``value_kind`` when
+    set, e.g. fp16 keys and bf16 values); no compressed store."""
+
+    value_kind: str | None = None
 
     @property
     def float_dtype(self):
         return FLOAT_DTYPES[self.kind]
+
+    @property
+    def value_dtype(self):
+        return FLOAT_DTYPES[self.value_kind or self.kind]
+
+    def describe(self) -> str:
+        return self.kind if self.value_kind in (None, self.kind) else f"K {self.kind} V {self.value_kind}"

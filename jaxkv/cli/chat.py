@@ -135,7 +135,8 @@ def run(args) -> None:
     if all(v is None for v in (args.temperature, args.top_k, args.top_p)):
         sampler = None  # not given: greedy, or the resumed file's
     flags = dict(streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize="fp32",
-                 kv_group_size=None, kv_residual=None, positions="cache")  # None: resolved by kivi_flags
+                 kv_group_size=None, kv_residual=None, positions="cache",  # None: resolved by kivi_flags
+                 kv_quantize_k=None, kv_quantize_v=None, kv_residual_dtype=None)  # None: CacheSpec's
     given = {k for k in flags if getattr(args, k) is not None}
     ns = copy.copy(args)
     for k, default in flags.items():
@@ -157,7 +158,8 @@ def run(args) -> None:
     model = load_model(args.model, tokenizer=args.tokenizer)
     if spec == "default":
         spec = default_cache_spec(model.config, kv_quantize=ns.kv_quantize, group_size=group_size,
-                                  residual=residual, positions=ns.positions)
+                                  residual=residual, positions=ns.positions, k_quantize=ns.kv_quantize_k,
+                                  v_quantize=ns.kv_quantize_v, residual_dtype=ns.kv_residual_dtype or "float32")
     path = args.cache_file
     if path and os.path.exists(path):
         session = ChatSession.load(path, model, cache=spec, sampler=sampler, seed=args.seed,

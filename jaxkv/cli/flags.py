@@ -78,6 +78,12 @@ def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str]
                         + default("positions"))
     g.add_argument("--kv-quantize", default="fp32", metavar="MODE",
                    help=f"cache storage: fp32|fp16|bf16|int8|int4|int2 (int* = KIVI) {default('kv_quantize')}")
+    g.add_argument("--kv-quantize-k", default=None, metavar="MODE",
+                   help="the keys' storage, overriding --kv-quantize: fp32|fp16|bf16|int8|int4|int2 (default: --kv-quantize's)")
+    g.add_argument("--kv-quantize-v", default=None, metavar="MODE",
+                   help="the values' storage, overriding --kv-quantize: fp32|fp16|bf16|int8|int4|int2 (default: --kv-quantize's)")
+    g.add_argument("--kv-residual-dtype", default=None, metavar="DTYPE",
+                   help="float32|float16|bfloat16: the KIVI residual and sinks (default: float32)")
     g.add_argument("--kv-group-size", type=int, default=None, metavar="G",
                    help=f"KIVI tokens per per-channel key group {default('kv_group_size', str(CacheSpec.group_size))}; "
                         "a window that is not a multiple of G is rounded down, with a note")
@@ -90,7 +96,8 @@ def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str]
 # CacheSpec field -> its flag (the args attribute is the flag's name with underscores); and the batch
 CACHE_FLAGS = {"max_len": "--max-len", "sink": "--streaming-llm-sink", "window": "--streaming-llm-window",
                "kv_quantize": "--kv-quantize", "group_size": "--kv-group-size", "residual": "--kv-residual",
-               "positions": "--positions"}
+               "positions": "--positions", "k_quantize": "--kv-quantize-k", "v_quantize": "--kv-quantize-v",
+               "residual_dtype": "--kv-residual-dtype"}
 FLAGS = {**CACHE_FLAGS, "batch": "--batch-size"}
 
 
@@ -135,16 +142,23 @@ def error_text(error: JaxkvError, args) -> str:
     return error.render(FlagNames(args)) if isinstance(error, CacheSpecError) else str(error)
 
 
+def storage_modes(args) -> tuple[str, str]:
+    """``(keys' mode, values' mode)`` of ``--kv-quantize`` and its ``-k``/``-v`` overrides (unchecked)."""
+    return (_given(args, "k_quantize") or args.kv_quantize, _given(args, "v_quantize") or args.kv_quantize)
+
+
 def kivi_flags(args) -> tuple[int, int]:
     """``(group size, residual)`` of ``--kv-group-size`` and ``--kv-residual`` (the defaults when left out).
 
     Raises:
-      JaxkvError: either flag given without ``--kv-quantize int*`` (a float cache has no groups).
+      JaxkvError: either flag given without an int* storage of keys or values (a float cache has no groups).
     """
+    modes = storage_modes(args)
     for field in ("group_size", "residual"):
-        if _given(args, field) is not None and args.kv_quantize not in QUANT_MODES:
+        if _given(args, field) is not None and not any(m in QUANT_MODES for m in modes):
+            shown = modes[0] if modes[0] == modes[1] else f"keys {modes[0]}, values {modes[1]}"
             raise JaxkvError(f"{CACHE_FLAGS[field]} {_given(args, field)} is for a KIVI cache: it needs "
-                             f"--kv-quantize {'|'.join(QUANT_MODES)} (the cache is {args.kv_quantize})")
+                             f"--kv-quantize {'|'.join(QUANT_MODES)} (the cache is {shown})")
     return (CacheSpec.group_size if args.kv_group_size is None else args.kv_group_size,
             CacheSpec.residual if args.kv_residual is None else args.kv_residual)
 
@@ -153,13 +167,13 @@ def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) 
     """Build the :class:`CacheSpec` the cache flags describe (flags left out: the defaults).
 
     A full cache without ``--max-len`` gets :func:`jaxkv.decode.full_cache_len` of
-    ``n_prompt_max + n_new`` slots. Under ``--kv-quantize int*`` a window that is not a
+    ``n_prompt_max + n_new`` slots. Under ``--kv-quantize int*`` (keys or values) a window that is not a
     multiple of the group size is rounded down to one (a note on stderr; ``args`` is updated,
     so the note comes once) when that still holds the residual.
 
     Raises:
       JaxkvError: ``--streaming-llm-sink`` without a window or larger than it, ``--max-len``
-        with a window, ``--kv-group-size``/``--kv-residual`` without ``--kv-quantize int*``;
+        with a window, ``--kv-group-size``/``--kv-residual`` without an int* storage;
         :class:`~jaxkv.errors.CacheSpecError`: a spec :class:`CacheSpec` refuses (shown with
         flag names by :func:`error_text`).
     """
@@ -174,7 +188,7 @@ def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) 
     if sink is not None and window is not None and window >= 1 and sink > window:
         raise JaxkvError(f"--streaming-llm-sink {sink} is larger than --streaming-llm-window {window}: StreamingLLM "
                          "keeps a few sinks (e.g. 4) before a much larger window (swapped?)")
-    quantized = args.kv_quantize in QUANT_MODES
+    quantized = any(m in QUANT_MODES for m in storage_modes(args))
     group, residual = kivi_flags(args)
     if quantized and window is not None and group >= 1 and residual >= 1 and not residual % group and window % group:
         rounded = window - window % group
@@ -190,6 +204,9 @@ def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) 
         sink=sink or 0,
         window=window,
         kv_quantize=args.kv_quantize,
+        k_quantize=_given(args, "k_quantize"),
+        v_quantize=_given(args, "v_quantize"),
+        residual_dtype=_given(args, "residual_dtype") or CacheSpec.residual_dtype,
         group_size=group,
         residual=residual,
         positions=args.positions,

@@ -7,9 +7,11 @@ import time
 
 import numpy as np
 
+from jaxkv.cache.memory import bits_text
 from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_tokenizer_flag, cache_spec_from_args
 from jaxkv.errors import JaxkvError, check_int
 from jaxkv.files import check_writable
+from jaxkv.decode.loop import new_cache_bits
 from jaxkv.eval.perplexity import perplexity, perplexity_by_range, recompute_nll, token_nll, write_nll
 from jaxkv.io import load_model
 
@@ -36,7 +38,9 @@ def run(args) -> None:
     recompute = args.recompute_window is not None
     if recompute:
         check_int("--recompute-window", args.recompute_window, 1)
-        if args.streaming_llm_window is not None or args.kv_quantize != "fp32" or args.positions != "absolute" or args.max_len is not None:
+        storage = (args.kv_quantize_k, args.kv_quantize_v, args.kv_residual_dtype)
+        if (args.streaming_llm_window is not None or args.kv_quantize != "fp32" or any(storage)
+                or args.positions != "absolute" or args.max_len is not None):
             raise JaxkvError("--recompute-window re-encodes every window from scratch: of the cache flags it takes only --streaming-llm-sink")
         if args.streaming_llm_sink is not None:
             check_int("--streaming-llm-sink", args.streaming_llm_sink, 0)
@@ -67,7 +71,7 @@ def run(args) -> None:
         nll = recompute_nll(model, ids, window=args.recompute_window, sink=sink, progress=True)
     else:
         spec = cache_spec_from_args(args, len(ids))
-        what = f"cache {spec.describe()}"
+        what = f"cache {spec.describe()}; {bits_text(*new_cache_bits(model.config, spec))}"
         nll = token_nll(model, ids, cache=spec, chunk=args.chunk, progress=True)
     seconds = time.perf_counter() - t0
     print(f"{os.path.basename(model.path or 'model')} on {os.path.basename(args.text)}: {len(ids)} tokens, {len(nll)} scored; {what}")

@@ -88,6 +88,9 @@ def default_cache_spec(
     positions: str = "cache",
     sink: int = 4,
     slots: int = 1024,
+    k_quantize: str | None = None,
+    v_quantize: str | None = None,
+    residual_dtype: str = "float32",
 ) -> CacheSpec:
     """The chat's default cache: a StreamingLLM cache that never runs out.
 
@@ -97,13 +100,15 @@ def default_cache_spec(
     context). With KIVI the residual counts towards the retained tokens and the window is
     rounded down to a multiple of ``group_size``. ``positions="cache"`` keeps RoPE
     positions below the retained count (StreamingLLM §3.2), hence inside the model's context.
+    ``k_quantize``, ``v_quantize``, ``residual_dtype``: as :class:`CacheSpec` takes them.
 
     Raises:
       JaxkvError: sizes that leave no valid window (the message names them).
     """
     total = min(slots, config.max_seq_len)
     # the storage of a spec that has validated these values (named errors, not a division by zero)
-    storage = CacheSpec(max_len=1, kv_quantize=kv_quantize, group_size=group_size, residual=residual).storage
+    modes = dict(kv_quantize=kv_quantize, k_quantize=k_quantize, v_quantize=v_quantize, residual_dtype=residual_dtype)
+    storage = CacheSpec(max_len=1, group_size=group_size, residual=residual, **modes).storage
     window = storage.window_for(total - sink)
     if window < 1:
         raise JaxkvError(
@@ -111,8 +116,7 @@ def default_cache_spec(
             + (f" and residual={residual}" if storage.flush else "")
             + "; pass --streaming-llm-window M (CacheSpec(window=M)) explicitly"
         )
-    return CacheSpec(sink=sink, window=window, kv_quantize=kv_quantize, group_size=group_size,
-                     residual=residual, positions=positions)
+    return CacheSpec(sink=sink, window=window, group_size=group_size, residual=residual, positions=positions, **modes)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ from flax import nnx
 from jax import lax
 
 from jaxkv.cache.kv import KVCache, cache_bytes
+from jaxkv.cache.memory import element_bits
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.decode import parallel
 from jaxkv.decode.sampler import Sampler, prng_keys
@@ -70,6 +71,15 @@ def new_cache_bytes(config, spec: CacheSpec, batch: int) -> int:
     the memory not checked). Raises: JaxkvError: as :func:`new_cache`."""
     spec, sizes = _model_cache(config, spec, batch)
     return cache_bytes(spec, **sizes)
+
+
+def new_cache_bits(config, spec: CacheSpec) -> tuple[float | None, float]:
+    """Effective bits per K/V element of the cache :func:`new_cache` would make: ``(bits in
+    the quantised store or None, bits of the whole cache)``, as
+    :func:`jaxkv.cache.memory.element_bits` counts them (from shapes, nothing allocated).
+    Raises: JaxkvError: as :func:`new_cache`."""
+    spec, sizes = _model_cache(config, spec, 1)
+    return element_bits(jax.eval_shape(lambda: KVCache._empty(spec, **sizes)))
 
 
 def _model_cache(config, spec: CacheSpec, batch: int):

@@ -140,17 +140,25 @@ def audit_function(fn, *args, **kwargs) -> list[str]:
 
 MODES = tuple(
     itertools.product(KV_MODES, ("full", "streaming"), POSITION_MODES)
+) + (
+    ("int4/int8", "streaming", "cache"), ("int2/fp16", "streaming", "absolute"), ("fp16/int4", "full", "absolute"),
+    ("bf16/int2", "streaming", "cache"), ("int4@float16", "streaming", "cache"), ("int2@bfloat16", "full", "absolute"),
 )
-"""Every cache mode the audit covers: (kv_quantize, full|streaming, positions)."""
+"""Every cache mode the audit covers: (storage, full|streaming, positions). The storage is a
+``kv_quantize`` mode, or ``K/V`` (keys as K, values as V), optionally ``@DTYPE`` (the
+residual and sinks in that ``residual_dtype``)."""
 
 
-def mode_spec(kv_quantize: str, kind: str, positions: str):
-    """A small :class:`CacheSpec` of one mode (sink 4 + window 16 or a full cache of 32;
-    KIVI G=4, R=8)."""
+def mode_spec(storage: str, kind: str, positions: str):
+    """A small :class:`CacheSpec` of one mode of :data:`MODES` (sink 4 + window 16 or a full
+    cache of 32; KIVI G=4, R=8)."""
     from jaxkv.cache.spec import CacheSpec
 
+    modes, _, residual_dtype = storage.partition("@")
+    keys, _, values = modes.partition("/")
     shape = dict(sink=4, window=16) if kind == "streaming" else dict(max_len=32)
-    return CacheSpec(kv_quantize=kv_quantize, group_size=4, residual=8, positions=positions, **shape)
+    return CacheSpec(kv_quantize=values or keys, k_quantize=keys, residual_dtype=residual_dtype or "float32",
+                     group_size=4, residual=8, positions=positions, **shape)
 
 
 SAMPLERS = ("greedy", "temperature")
@@ -190,7 +198,8 @@ def audit_cache_mode(spec, model=None, *, batch: int = 2, chunk: int = 4, sample
         lowered = lower_decode(model, cache, sampler=sampler, block=4, eos_id=1, max_new_tokens=4)
         out[f"_decode_block {name}"] = audit_text(lowered.as_text())
     if spec.quantized:
-        out["kivi kernels"] = audit_kivi_kernels(spec.bits, spec.group_size, spec.scale_dtype)
+        bits = sorted({spec.storage.key_bits, spec.storage.value_bits} - {None})
+        out["kivi kernels"] = [f for b in bits for f in audit_kivi_kernels(b, spec.group_size, spec.scale_dtype)]
     return out
 
 
