@@ -120,6 +120,14 @@ def quantize_dequantize(x, bits, axis, scale_dtype=np.float32):
     return ref_dequantize(q, scale, zero, axis=axis)
 
 
+def sylvester(n):
+    """float64[n, n]: the orthonormal Hadamard matrix of order n (a power of two), H_2n = [[H, H], [H, -H]]."""
+    m = np.ones((1, 1))
+    while m.shape[0] < n:
+        m = np.kron(np.array([[1.0, 1.0], [1.0, -1.0]]), m)
+    return m / np.sqrt(n)
+
+
 def rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
@@ -144,16 +152,23 @@ class RefDecoder:
         every stored key/value (sinks, residual, before any flush) is rounded to; a token
         attends to its own key and value unrounded, as jaxkv attends to a chunk's own.
       positions: "absolute" or "cache".
+      pre_rope_keys: in "absolute" mode, store keys before RoPE and rotate every read key at
+        its absolute position (a no-op in "cache" mode, which always does).
+      hadamard: ``(keys, values)`` bools: quantise that side as ``x @ M`` and read it back as
+        ``dequantise(...) @ M.T``, M the orthonormal Sylvester Hadamard matrix (built here by
+        Kronecker products, not with jaxkv's code).
     """
 
     def __init__(self, weights, cfg, *, sink=0, window=None, bits=None, group_size=None, residual=None,
-                 positions="absolute", rope_layout="half", scale_dtype=np.float32, residual_dtype=None):
+                 positions="absolute", rope_layout="half", scale_dtype=np.float32, residual_dtype=None,
+                 pre_rope_keys=False, hadamard=(False, False)):
         self.w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
         self.cfg = cfg
         self.sink, self.window = sink, window
         self.bits, self.g, self.r = bits, group_size, residual
         self.positions, self.layout, self.scale_dtype = positions, rope_layout, scale_dtype
         self.residual_dtype = residual_dtype
+        self.pre_rope_keys, self.hadamard = pre_rope_keys, hadamard
         self.t = 0
         self.k, self.v = {}, {}  # position -> [L, K, H] as stored (full precision)
         self.kq, self.vq = {}, {}  # position -> [L, K, H] dequantised (flushed tokens)
@@ -185,6 +200,8 @@ class RefDecoder:
         k = np.stack([self.k[p] for p in positions], axis=2)  # [L, K, R, H]
         v = np.stack([self.v[p] for p in positions], axis=2)
         L, K, R, H = k.shape
+        m = sylvester(H)
+        k, v = (x @ m if rotated else x for x, rotated in zip((k, v), self.hadamard))
         kb, vb = self.bits if isinstance(self.bits, tuple) else (self.bits, self.bits)
         kg = k.reshape(L, K, R // self.g, self.g, H)
         if isinstance(kb, int):
@@ -192,6 +209,7 @@ class RefDecoder:
         else:  # a float side: the stored floats
             kd = k.astype(kb).astype(np.float64)
         vd = quantize_dequantize(v, vb, axis=3, scale_dtype=self.scale_dtype) if isinstance(vb, int) else v.astype(vb).astype(np.float64)
+        kd, vd = (x @ m.T if rotated else x for x, rotated in zip((kd, vd), self.hadamard))
         for i, p in enumerate(positions):
             self.kq[p], self.vq[p] = kd[:, :, i], vd[:, :, i]
 
@@ -225,15 +243,16 @@ class RefDecoder:
             k = (h @ w["wk"][l]).reshape(nkv, hd)
             v = (h @ w["wv"][l]).reshape(nkv, hd)
             absolute = self.positions == "absolute"
-            k = rope(k, t, c["theta"], self.layout) if absolute else k
+            rotate_on_read = not absolute or self.pre_rope_keys
+            k = k if rotate_on_read else rope(k, t, c["theta"], self.layout)
             self.k[t][l], self.v[t][l] = self._stored(k), self._stored(v)
             qpos = t if absolute else ranks[t]
             qr = rope(q, qpos, c["theta"], self.layout)
             # the token attends to itself as computed (jaxkv: the chunk's own keys), to the rest as stored
             kk = np.stack([k if p == t else (self.kq if p in flushed else self.k)[p][l] for p in keys], axis=1)  # [K, S, H]
             vv = np.stack([v if p == t else (self.vq if p in flushed else self.v)[p][l] for p in keys], axis=1)
-            if not absolute:
-                kk = rope(kk, np.array([ranks[p] for p in keys])[None, :], c["theta"], self.layout)
+            if rotate_on_read:  # at the key's rank (cache) or its absolute position
+                kk = rope(kk, np.array([p if absolute else ranks[p] for p in keys])[None, :], c["theta"], self.layout)
             group = nh // nkv
             out = np.zeros((nh, hd))
             for head in range(nh):
@@ -267,14 +286,15 @@ def ref_config(config):
 
 def ref_kwargs(spec):
     """RefDecoder keyword arguments describing a CacheSpec."""
-    kw = dict(sink=spec.sink, window=spec.window, positions=spec.positions)
+    kw = dict(sink=spec.sink, window=spec.window, positions=spec.positions, pre_rope_keys=spec.pre_rope_keys)
     if spec.quantized:
         storage = spec.storage
         floats = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
         kb, vb = (b if b is not None else floats[m] for b, m in zip((storage.key_bits, storage.value_bits), spec.kv_modes))
         kw.update(bits=kb if kb == vb else (kb, vb), group_size=spec.group_size, residual=spec.residual,
                   scale_dtype=np.dtype(spec.scale_dtype).type,
-                  residual_dtype=None if spec.residual_dtype == "float32" else NP_DTYPES[spec.residual_dtype])
+                  residual_dtype=None if spec.residual_dtype == "float32" else NP_DTYPES[spec.residual_dtype],
+                  hadamard=(storage.rotate_keys, storage.rotate_values))
     return kw
 
 

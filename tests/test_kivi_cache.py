@@ -46,9 +46,9 @@ def new_cache(spec, batch=1):
     return KVCache.create(spec, batch=batch, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
 
 
-# 12 (parity) + 2 (float16 scales) + 2 (other shapes) + 4 (mixed K/V) + 2 (residual dtype) + 1 (saved) decode specs,
-# 3 chunk shapes, 1 batch-of-2 decode
-@chex.assert_max_traces(n=31)
+# 12 (parity) + 2 (float16 scales) + 2 (other shapes) + 4 (mixed K/V) + 2 (residual dtype) + 1 (saved)
+# + 5 x 2 (pre-RoPE / Hadamard, and their plain specs) decode specs, 4 chunk shapes, 1 batch-of-2 decode
+@chex.assert_max_traces(n=42)
 def _step(graphdef, state, tokens, n, cache):
     return forward(graphdef, state, tokens, n, cache)
 
@@ -198,6 +198,52 @@ def test_residual_and_sinks_in_half_precision_match_reference(dtype, mode, posit
     assert {x.dtype for x in (cache.sink_k, cache.sink_v, cache.ring_k, cache.ring_v)} == {jnp.dtype(container)}
 
 
+@pytest.mark.parametrize("g,mode,positions,pre_rope,hadamard", [
+    (8, "int2", "absolute", True, "none"), (4, "int4", "absolute", True, "values"), (8, "int2", "absolute", False, "keys"),
+    (4, "int4", "absolute", False, "both"), (4, "int2", "cache", False, "values"),
+])
+def test_pre_rope_keys_and_hadamard_match_reference_across_three_wraps(g, mode, positions, pre_rope, hadamard):
+    """Issue 15's levers: keys stored before RoPE in absolute mode (rotated on read at their
+    absolute position) and a Hadamard rotation before quantising (keys, values or both),
+    folded into attention's read (the query of a key score, the output of the values). The
+    reference quantises ``x @ M`` and reads back ``dequantise(...) @ M.T`` with its own
+    Sylvester matrix, and rotates pre-RoPE keys at every read; logits agree to 1e-4 (measured
+    ~2e-6, as plain KIVI) at every step across three wraps."""
+    spec = kivi_spec(g, mode, positions, pre_rope_keys=pre_rope, hadamard=hadamard)
+    assert spec.pre_rope_keys == (pre_rope or positions == "cache")
+    tokens = tokens_for(three_wraps(spec), seed=g + 17)
+    got, held, cache = decode(spec, tokens)
+    expected, ref_held, _ = reference(spec, tokens)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+    assert held == ref_held
+    plain, _ = reference(kivi_spec(g, mode, positions), tokens)[:2]
+    assert np.max(np.abs(got - plain)) > 1e-3  # the lever changes what is stored: the test can tell
+
+
+def test_hadamard_and_pre_rope_specs_refused_by_name():
+    shape = dict(sink=2, window=16, group_size=4, residual=8)
+    with pytest.raises(JaxkvError, match=r"^CacheSpec.hadamard='value': expected one of none, keys, values, both$"):
+        CacheSpec(kv_quantize="int4", hadamard="value", **shape)
+    with pytest.raises(JaxkvError, match="hadamard='values' rotates the values before quantising them, but this cache "
+                                         "stores them as fp16: rotate int8/int4/int2 sides only"):
+        CacheSpec(k_quantize="int2", v_quantize="fp16", hadamard="values", **shape)
+    with pytest.raises(JaxkvError, match="hadamard='both' rotates keys stored after RoPE, but positions='cache' stores"):
+        CacheSpec(kv_quantize="int4", hadamard="both", positions="cache", **shape)
+    with pytest.raises(JaxkvError, match="hadamard='keys' rotates keys stored after RoPE, but pre_rope_keys stores"):
+        CacheSpec(kv_quantize="int4", hadamard="keys", pre_rope_keys=True, **shape)
+    with pytest.raises(JaxkvError, match=r"^CacheSpec.pre_rope_keys='yes': expected True or False$"):
+        CacheSpec(pre_rope_keys="yes", **shape)
+    with pytest.raises(JaxkvError, match="a Hadamard rotation needs a head_dim that is a power of two .*: got 24"):
+        KVCache.create(CacheSpec(kv_quantize="int4", hadamard="values", **shape), batch=1, n_layers=1, n_kv_heads=1,
+                       head_dim=24)
+    # positions="cache" always stores keys before RoPE: one spec, saved as before
+    from jaxkv.cache.checkpoint import _spec_fields
+
+    assert CacheSpec(positions="cache", pre_rope_keys=True, **shape) == CacheSpec(positions="cache", **shape)
+    assert "pre_rope_keys" not in _spec_fields(CacheSpec(positions="cache", **shape))
+    assert _spec_fields(CacheSpec(pre_rope_keys=True, kv_quantize="int2", hadamard="values", **shape))["hadamard"] == "values"
+
+
 def test_kv_quantize_sets_both_sides_and_keeps_todays_cache():
     """``kv_quantize`` alone is today's cache: the same spec however the sides are written,
     the same leaves (names, dtypes, shapes) and the same saved spec fields, so jaxkv-chat files
@@ -295,11 +341,14 @@ def test_mixed_cache_saves_and_loads_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize(
     "g,mode,positions,chunk",
-    [(4, "int4", "cache", 8), (8, "int2", "absolute", 5), (4, "int8", "absolute", 4)],
+    [(4, "int4", "cache", 8), (8, "int2", "absolute", 5), (4, "int8", "absolute", 4), (8, "int2+levers", "absolute", 8)],
 )
 def test_chunked_prefill_equals_token_by_token(g, mode, positions, chunk, chunked):
-    """A prompt ~4x the cache's capacity, streamed in chunks that never cross a flush."""
-    spec = kivi_spec(g, mode, positions)
+    """A prompt ~4x the cache's capacity, streamed in chunks that never cross a flush; with
+    int2+levers (pre-RoPE keys, Hadamard values) a chunk of 8 queries joins the int2 key
+    blocks for one score tensor (group * T >= head_dim) where decode keeps four."""
+    levers = dict(pre_rope_keys=True, hadamard="values") if mode.endswith("+levers") else {}
+    spec = kivi_spec(g, mode.removesuffix("+levers"), positions, **levers)
     tokens = tokens_for(4 * spec.capacity + 3, seed=11)
     sizes = []
     got, cache_c = chunked(spec, tokens, chunk, sizes=sizes)

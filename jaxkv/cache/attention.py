@@ -16,7 +16,9 @@ from jax import lax
 
 from jaxkv.cache.kv import LayerKV, Step
 from jaxkv.cache.rope import Rope, apply_rope, as_rope, rope_blocks
+from jaxkv.cache import rotation
 from jaxkv.cache.spec import CacheSpec
+from jaxkv.cache.storage import Segment
 from jaxkv.errors import JaxkvError
 
 
@@ -59,7 +61,7 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
     dtype = q.dtype
     k = jnp.swapaxes(k, 1, 2)  # [B, K, T, H]
     v = jnp.swapaxes(v, 1, 2)
-    cache_mode = policy.keys_pre_rope
+    pre_rope = policy.keys_pre_rope  # keys stored before RoPE, rotated here
     shift = step.k_shift[:, None, None]
 
     def rotate(blocks, pos):  # blocks: channel blocks of keys [B, K, S, H/n]; pos int32[B, 1, S]
@@ -68,41 +70,48 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
             blocks = [blocks[0][..., :half], blocks[0][..., half:]]
         return rope_blocks(blocks, pos, rope=rope)
 
-    def rotate_keys(blocks, pos):  # pos int32[B, S]: window keys at their rank (cache mode)
-        return rotate(blocks, pos[:, None, :] - shift) if cache_mode else blocks
+    def rotate_keys(blocks, pos):  # pos int32[B, S]: window keys at their rank (their position if absolute)
+        return rotate(blocks, pos[:, None, :] - shift) if pre_rope else blocks
 
-    k_store = k if cache_mode else apply_rope(k, step.q_pos[:, None, :], rope=rope)
+    k_store = k if pre_rope else apply_rope(k, step.q_pos[:, None, :], rope=rope)
 
-    # segments: (key blocks [B,K,S,H/n], value blocks [B,K,S,H/m], positions [B,S], is_sink).
-    # A segment is a list of channel blocks (KIVI int4/int2: one per packed bit field) so that
-    # no dequantised or rotated segment is ever concatenated along H.
+    # segments: (Segment, is_sink); a Segment's keys and values are lists of channel blocks
+    # (KIVI int4/int2: one per packed bit field) so that no dequantised or rotated segment of a
+    # decode step is ever concatenated along H.
     segments = []
     if step.sink_pos is not None:
         sk = [storage.read(layer.sink_k).astype(dtype)]
-        if cache_mode:  # a sink's rank is its position
+        if pre_rope:  # a sink's rank is its position
             sk = rotate(sk, step.sink_pos[:, None, :])
-        segments.append((sk, [storage.read(layer.sink_v)], step.sink_pos, True))
+        segments.append((Segment(sk, [storage.read(layer.sink_v)], step.sink_pos), True))
     if layer.store is not None:
-        for sk, sv, pos in storage.segments(layer.store, step.store_pos, dtype):
-            segments.append((rotate_keys(sk, pos), sv, pos, False))
+        for seg in storage.segments(layer.store, step.store_pos, dtype):
+            segments.append((seg._replace(keys=rotate_keys(seg.keys, seg.pos)), False))
     ring_k, ring_v = storage.read(layer.ring_k), storage.read(layer.ring_v)
-    segments.append((rotate_keys([ring_k.astype(dtype)], step.ring_pos), [ring_v], step.ring_pos, False))
-    segments.append((rotate_keys([k_store], step.q_pos), [v], step.q_pos, False))
+    segments.append((Segment(rotate_keys([ring_k.astype(dtype)], step.ring_pos), [ring_v], step.ring_pos), False))
+    segments.append((Segment(rotate_keys([k_store], step.q_pos), [v], step.q_pos), False))
 
     group = n_heads // n_kv
     qg = q.reshape(b, t, n_kv, group, h)
     q_main = apply_rope(qg, step.q_rot[:, :, None, None], rope=rope)
-    q_sink = apply_rope(qg, step.q_rot_sink[:, :, None, None], rope=rope) if cache_mode else q_main
+    q_sink = apply_rope(qg, step.q_rot_sink[:, :, None, None], rope=rope) if policy.rope_at_rank else q_main
     scale = 1.0 / jnp.sqrt(jnp.float32(h)) if scale is None else jnp.float32(scale)
 
     # queries as [B, K, G*T, H]; keys are the dot's first operand, contracted over their
     # minor axis H: the layout the cache stores them in.
     q_main = jnp.transpose(q_main, (0, 2, 3, 1, 4)).reshape(b, n_kv, group * t, h)
-    q_sink = jnp.transpose(q_sink, (0, 2, 3, 1, 4)).reshape(b, n_kv, group * t, h) if cache_mode else q_main
+    q_sink = jnp.transpose(q_sink, (0, 2, 3, 1, 4)).reshape(b, n_kv, group * t, h) if policy.rope_at_rank else q_main
     dims = (((3,), (3,)), ((0, 1), (0, 1)))
     scores = []
-    for keys, _, pos, is_sink in segments:
+    for seg, is_sink in segments:
         qq = q_sink if is_sink else q_main
+        if seg.key_rotation is not None:  # keys stored as k @ M: (q @ M) . (k @ M) = q . k
+            qq = rotation.rotate(qq, seg.key_rotation).astype(dtype)
+        keys = seg.keys
+        if len(keys) > 1 and group * t >= h:
+            # a prefill chunk: its scores [S, G*T] outweigh the keys [S, H], so one score tensor
+            # from the blocks joined beats one per block (int2: four)
+            keys = [jnp.concatenate([block.astype(dtype) for block in keys], axis=-1)]
         width = keys[0].shape[-1]
         s = sum(
             lax.dot_general(block.astype(dtype), qq[..., j * width : (j + 1) * width], dims, preferred_element_type=jnp.float32)
@@ -111,7 +120,7 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
         s = jnp.swapaxes(s, 2, 3).reshape(b, n_kv, group, t, -1) * scale
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
-        mask = policy.visible(step.q_pos[:, :, None], pos[:, None, :])  # [B, T, S]
+        mask = policy.visible(step.q_pos[:, :, None], seg.pos[:, None, :])  # [B, T, S]
         scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
     s = jnp.concatenate(scores, axis=-1)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -122,14 +131,18 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
 
     out = jnp.zeros((b, n_kv, group, t, h), jnp.float32)
     offset = 0
-    for _, values, pos, _ in segments:
-        size = pos.shape[1]
+    for seg, _ in segments:
+        size = seg.pos.shape[1]
         ps = p[..., offset : offset + size].astype(dtype)
         parts = [
             jnp.einsum("bkgts,bksh->bkgth", ps, block.astype(dtype), preferred_element_type=jnp.float32)
-            for block in values
+            for block in seg.values
         ]
-        out += jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+        part = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+        if seg.value_rotation is not None:  # values stored as v @ M: (p @ v M) @ M.T = p @ v
+            part = rotation.rotate(part, seg.value_rotation.T)
+        out += part
         offset += size
     out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n_heads, h).astype(dtype)
     return out, k_store, v
+

@@ -50,9 +50,10 @@ from jaxkv.files import atomic_write
 
 FILE_FORMAT = "jaxkv-cache/1"
 _RESERVED = ("format", "spec", "checksum", "prefixes")
-_LATER_SPEC_FIELDS = ("attention_window", "k_quantize", "v_quantize", "residual_dtype")
+_LATER_SPEC_FIELDS = ("attention_window", "k_quantize", "v_quantize", "residual_dtype", "pre_rope_keys", "hadamard")
 """CacheSpec fields added after the format was defined: written only when not their default,
-so a cache that does not use them is saved byte for byte as before."""
+so a cache that does not use them is saved byte for byte as before (``pre_rope_keys`` also not
+when ``positions="cache"`` implies it)."""
 
 
 def _spec_fields(spec) -> dict:
@@ -60,6 +61,8 @@ def _spec_fields(spec) -> dict:
     if isinstance(spec, LayerSpecs):
         return {"specs": [_spec_fields(s) for s in spec.specs]}
     defaults = {f.name: f.default for f in dataclasses.fields(CacheSpec)}
+    if spec.policy.rope_at_rank:  # keys at their rank are always stored before RoPE
+        defaults["pre_rope_keys"] = True
     return {k: v for k, v in dataclasses.asdict(spec).items() if not (k in _LATER_SPEC_FIELDS and v == defaults[k])}
 
 

@@ -22,7 +22,8 @@ from jax import lax
 
 from jaxkv.cache import kivi
 from jaxkv.cache.ring import write_ring
-from jaxkv.cache.storage import FLOAT_DTYPES, Storage, as_container
+from jaxkv.cache.rotation import hadamard, rotate
+from jaxkv.cache.storage import FLOAT_DTYPES, Segment, Storage, as_container
 from jaxkv.errors import JaxkvError
 
 BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -71,6 +72,9 @@ class KiviStorage(Storage):
       scale_dtype: storage dtype of scales and zeros (arithmetic is always float32).
       value_kind: the values' mode when it differs from ``kind`` (None: ``kind``'s).
       residual_dtype: float dtype of the sinks and the residual (float32, float16, bfloat16).
+      rotate_keys, rotate_values: quantise ``x @ M`` instead of ``x`` for the keys (values), M
+        the orthonormal Hadamard matrix of the head (:mod:`jaxkv.cache.rotation`; a quantised
+        side only, keys after RoPE only); attention folds M into its read.
     """
 
     kind: str = "int4"
@@ -79,6 +83,8 @@ class KiviStorage(Storage):
     scale_dtype: str = "float16"
     value_kind: str | None = None
     residual_dtype: str = "float32"
+    rotate_keys: bool = False
+    rotate_values: bool = False
 
     ring_group = "residual"
 
@@ -136,6 +142,8 @@ class KiviStorage(Storage):
         for mode, bits in zip(self.modes, (self.key_bits, self.value_bits)):
             if bits is not None and head_dim % (8 // bits):
                 raise JaxkvError(f"head_dim={head_dim} is not a multiple of {8 // bits}, the {mode} codes per byte")
+        if self.rotate_keys or self.rotate_values:
+            hadamard(head_dim)  # refuses a head_dim that is not a power of two
         w, g, sdt = self.store_slots(policy), self.group_size, jnp.dtype(self.scale_dtype)
         leaves = {}
         if self.key_bits is None:
@@ -155,6 +163,10 @@ class KiviStorage(Storage):
         """The store leaves (by name) of R residual keys/values ``[..., R, H]``: codes, scales
         and zeros of a quantised side, floats of a float side."""
         out = {}
+        if self.rotate_keys:
+            k = rotate(k, jnp.asarray(hadamard(k.shape[-1])))
+        if self.rotate_values:
+            v = rotate(v, jnp.asarray(hadamard(v.shape[-1])))
         if self.key_bits is None:
             out["k_float"] = as_container(k, FLOAT_DTYPES[self.modes[0]])
         else:
@@ -197,10 +209,10 @@ class KiviStorage(Storage):
         return cache.replace(quant=quant, ring_pos=jnp.where(flush[:, None], -1, cache.ring_pos))
 
     def segments(self, store: QuantRing, pos, dtype) -> list:
-        """The quantised ring of one layer as channel blocks (KIVI §3.2): one segment whose
-        keys and values are lists of 1 (int8, a float side) or ``8 // bits`` arrays
+        """The quantised ring of one layer as channel blocks (KIVI §3.2): one :class:`Segment`
+        whose keys and values are lists of 1 (int8, a float side) or ``8 // bits`` arrays
         ``dtype[B, K, W, H / n]`` (see ``blocks`` of :func:`jaxkv.cache.kivi.dequantize_affine`),
-        never concatenated."""
+        with the Hadamard matrices a rotated side was stored by."""
         if self.key_bits is None:
             k = [self.read(store.k_float).astype(dtype)]
         else:
@@ -215,7 +227,10 @@ class KiviStorage(Storage):
                 kivi.QuantizedValues(codes=store.v_codes, scale=store.v_scale, zero=store.v_zero),
                 bits=self.value_bits, dtype=dtype, blocks=True,
             )
-        return [(k, v, pos)]
+        rotated = self.rotate_keys or self.rotate_values
+        rotation = jnp.asarray(hadamard(sum(block.shape[-1] for block in v))) if rotated else None
+        return [Segment(k, v, pos, key_rotation=rotation if self.rotate_keys else None,
+                        value_rotation=rotation if self.rotate_values else None)]
 
     def memory_groups(self, store: QuantRing) -> list:
         """Codes, scales and zeros of the quantised sides; a float side's window tokens as ``window``."""
@@ -230,4 +245,7 @@ class KiviStorage(Storage):
     def describe(self) -> str:
         k, v = self.modes
         extra = "" if self.residual_dtype == "float32" else f", residual {self.residual_dtype}"
+        rotated = [side for side, on in (("K", self.rotate_keys), ("V", self.rotate_values)) if on]
+        extra += f", Hadamard {'+'.join(rotated)}" if rotated else ""
         return f"{k if k == v else f'K {k} V {v}'} (G={self.group_size}, R={self.residual}{extra})"
+

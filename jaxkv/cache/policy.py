@@ -42,6 +42,9 @@ class Policy:
       sink: S0, first positions always kept (0 for none).
       positions: ``absolute`` (keys rotated at their absolute position before storing) or
         ``cache`` (keys stored before RoPE, rotated on read at their rank, StreamingLLM §3.2).
+      pre_rope: in ``absolute`` mode too, keys are stored before RoPE and rotated on read at
+        their absolute position (better per-channel statistics for KIVI keys: KVQuant,
+        Hooper et al. 2024, arXiv 2401.18079, §3.2); the same logits within float rounding.
       flush: tokens a lazily flushing storage moves at a time (KIVI residual R), 0 = none.
       attention_window: A > 0: queries see only the last A positions (a model's local
         sliding-window layer), whatever else is stored; 0 = no such limit.
@@ -49,6 +52,7 @@ class Policy:
 
     sink: int = 0
     positions: str = "absolute"
+    pre_rope: bool = False
     flush: int = 0
     attention_window: int = 0
 
@@ -58,9 +62,15 @@ class Policy:
     ring_group = "window"  # memory-report group of the full-precision ring of a float storage
 
     @property
-    def keys_pre_rope(self) -> bool:
-        """True when keys are stored before RoPE and rotated on read (``positions="cache"``)."""
+    def rope_at_rank(self) -> bool:
+        """True when RoPE positions are ranks in the cache (``positions="cache"``, StreamingLLM §3.2)."""
         return self.positions == "cache"
+
+    @property
+    def keys_pre_rope(self) -> bool:
+        """True when keys are stored before RoPE and rotated on read (``positions="cache"``, or
+        ``pre_rope`` in absolute mode)."""
+        return self.rope_at_rank or self.pre_rope
 
     # ---- retained set (traced, int32) ------------------------------------------------------------
     def window_start(self, q):
@@ -93,9 +103,9 @@ class Policy:
         (their exact rank for the chunk's last query) and queries at ``q - k_shift``; sink
         keys at ``p`` and queries at ``rank(q)``. Each query of a chunk thus sees the ranks
         of its own retained set. In ``absolute`` mode everything uses absolute positions
-        (``k_shift = 0``).
+        (``k_shift = 0``), whether keys are stored before or after RoPE.
         """
-        if not self.keys_pre_rope:
+        if not self.rope_at_rank:
             return q_pos, q_pos, jnp.zeros(q_pos.shape[:1], jnp.int32)
         last = jnp.maximum(jnp.max(q_pos, axis=1), 0)
         k_shift = self.window_start(last) - self.sink

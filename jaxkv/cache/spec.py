@@ -24,17 +24,20 @@ QUANT_MODES = tuple(BITS)
 KV_MODES = FLOAT_MODES + QUANT_MODES
 SCALE_DTYPES = ("float16", "float32")
 RESIDUAL_DTYPES = ("float32", "float16", "bfloat16")
+HADAMARD_SIDES = {"none": (False, False), "keys": (True, False), "values": (False, True), "both": (True, True)}
 
 
 def make_storage(kv_quantize: str, v_quantize: str | None = None, *, group_size: int = 32, residual: int = 128,
-                 scale_dtype: str = "float16", residual_dtype: str = "float32") -> Storage:
+                 scale_dtype: str = "float16", residual_dtype: str = "float32", hadamard: str = "none") -> Storage:
     """The :class:`Storage` of keys in ``kv_quantize`` and values in ``v_quantize`` (None: the
     keys' mode), values as :class:`CacheSpec` takes them (validated there). The one place a
     storage kind is chosen by name: KIVI when either side is int8/int4/int2, else float."""
     value_kind = None if v_quantize in (None, kv_quantize) else v_quantize
     if kv_quantize in QUANT_MODES or value_kind in QUANT_MODES:
+        rotate_keys, rotate_values = HADAMARD_SIDES[hadamard]
         return KiviStorage(kind=kv_quantize, group_size=group_size, residual=residual, scale_dtype=scale_dtype,
-                           value_kind=value_kind, residual_dtype=residual_dtype)
+                           value_kind=value_kind, residual_dtype=residual_dtype, rotate_keys=rotate_keys,
+                           rotate_values=rotate_values)
     return FloatStorage(kind=kv_quantize, value_kind=value_kind)
 
 
@@ -80,6 +83,15 @@ class CacheSpec:
         (Mistral, Gemma 2/3). Made by :meth:`local`.
       residual_dtype: float dtype of the sinks and the KIVI residual (float32, float16,
         bfloat16); a quantised cache only (a float cache stores them in its own mode).
+      pre_rope_keys: store keys before RoPE and rotate them on read at their absolute position
+        (KVQuant, Hooper et al. 2024, arXiv 2401.18079, §3.2: per-channel key statistics are
+        cleaner before RoPE mixes channel pairs); ``positions="cache"`` always stores them so
+        (it is set True there). Logits equal the post-RoPE cache's within float rounding.
+      hadamard: ``none``, ``values``, ``keys`` or ``both``: quantise those sides rotated by the
+        head's orthonormal Hadamard matrix (QuaRot, arXiv 2404.00456; :mod:`jaxkv.cache.rotation`),
+        folded into attention's read. Quantised (int*) sides only, a head_dim that is a power of
+        two, and rotated keys need keys stored after RoPE (``positions="absolute"``, no
+        ``pre_rope_keys``): a pre-RoPE key would have to be rotated back for every read.
 
     Raises:
       JaxkvError: on any value outside the accepted ranges (the message names it).
@@ -97,11 +109,13 @@ class CacheSpec:
     k_quantize: str | None = None
     v_quantize: str | None = None
     residual_dtype: str = "float32"
+    pre_rope_keys: bool = False
+    hadamard: str = "none"
 
     def __post_init__(self):
         for name, accepted in (("kv_quantize", KV_MODES), ("k_quantize", KV_MODES), ("v_quantize", KV_MODES),
                                ("positions", POSITION_MODES), ("scale_dtype", SCALE_DTYPES),
-                               ("residual_dtype", RESIDUAL_DTYPES)):
+                               ("residual_dtype", RESIDUAL_DTYPES), ("hadamard", tuple(HADAMARD_SIDES))):
             value = getattr(self, name)
             if value is None and name in ("k_quantize", "v_quantize"):
                 continue
@@ -111,6 +125,18 @@ class CacheSpec:
         # one canonical form per pair of modes: the values' mode in kv_quantize, a differing keys' in k_quantize
         for name, value in (("kv_quantize", v), ("k_quantize", None if k == v else k), ("v_quantize", None)):
             object.__setattr__(self, name, value)
+        if not isinstance(self.pre_rope_keys, (bool, np.bool_)):
+            self._refuse("{pre_rope_keys}: expected True or False")
+        object.__setattr__(self, "pre_rope_keys", bool(self.pre_rope_keys) or self.positions == "cache")
+        for side, mode, rotated in zip(("keys", "values"), (k, v), HADAMARD_SIDES[self.hadamard]):
+            if rotated and mode not in QUANT_MODES:
+                self._refuse(f"{{hadamard}} rotates the {side} before quantising them, but this cache stores them as "
+                             f"{mode}: rotate int8/int4/int2 sides only")
+        if HADAMARD_SIDES[self.hadamard][0] and self.pre_rope_keys:
+            why = "{positions}" if self.positions == "cache" else "{pre_rope_keys:name}"
+            self._refuse("{hadamard} rotates keys stored after RoPE, but " + why + " stores them before it (they "
+                         "would be rotated back at every read): use {hadamard:=values}, or {positions:=absolute} "
+                         "without {pre_rope_keys:name}")
         if self.residual_dtype != "float32" and not self.quantized:
             self._refuse(f"{{residual_dtype}} is for a quantised cache (int8, int4 or int2 keys or values): this one "
                          f"stores keys as {k} and values as {v}, sinks and window included")
@@ -174,12 +200,12 @@ class CacheSpec:
     def storage(self) -> Storage:
         """The :class:`jaxkv.cache.storage.Storage` of :attr:`kv_modes` (float or KIVI)."""
         return make_storage(*self.kv_modes, group_size=self.group_size, residual=self.residual,
-                            scale_dtype=self.scale_dtype, residual_dtype=self.residual_dtype)
+                            scale_dtype=self.scale_dtype, residual_dtype=self.residual_dtype, hadamard=self.hadamard)
 
     @functools.cached_property
     def policy(self) -> Policy:
         """The :class:`jaxkv.cache.policy.Policy`: a full cache or StreamingLLM sinks + window."""
-        common = dict(sink=self.sink, positions=self.positions, flush=self.storage.flush,
+        common = dict(sink=self.sink, positions=self.positions, pre_rope=self.pre_rope_keys, flush=self.storage.flush,
                       attention_window=self.attention_window or 0)
         if self.window is None:
             return FullCache(max_len=self.max_len, **common)
@@ -264,7 +290,8 @@ class CacheSpec:
         shape = f"sink {self.sink} + window {self.window}" if self.bounded else f"full {self.max_len}"
         if self.attention_window is not None:
             shape += f" (local attention over {self.attention_window})"
-        return f"{shape}, {self.storage.describe()}, positions={self.positions}"
+        keys = ", pre-RoPE keys" if self.pre_rope_keys and self.positions == "absolute" else ""
+        return f"{shape}, {self.storage.describe()}, positions={self.positions}{keys}"
 
 
 @dataclasses.dataclass(frozen=True)

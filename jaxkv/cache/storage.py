@@ -22,11 +22,33 @@ one new class with these methods and one line in :attr:`jaxkv.cache.spec.CacheSp
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 FLOAT_DTYPES = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16}
+
+
+class Segment(NamedTuple):
+    """One stored segment of a layer, as attention reads it (see :meth:`Storage.segments`).
+
+    Attributes:
+      keys: channel blocks ``[B, K, S, H/n]`` whose concatenation along H is the stored keys.
+      values: channel blocks ``[B, K, S, H/m]`` of the stored values.
+      pos: int32[B, S], absolute position per slot, -1 = empty.
+      key_rotation: None, or an orthonormal ``float32[H, H]`` M the keys were stored rotated by
+        (``k @ M``): scores use the query ``q @ M`` (:mod:`jaxkv.cache.rotation`).
+      value_rotation: None, or the M the values were stored rotated by: the segment's
+        ``probabilities @ values`` is multiplied by ``M.T`` (folded into the read).
+    """
+
+    keys: list
+    values: list
+    pos: jax.Array
+    key_rotation: jax.Array | None = None
+    value_rotation: jax.Array | None = None
 
 
 def as_container(x, dtype):
@@ -95,7 +117,7 @@ class Storage:
         return cache
 
     def segments(self, store, pos, dtype) -> list:
-        """One layer of the store as attention segments ``[(key blocks, value blocks, pos)]``."""
+        """One layer of the store as attention :class:`Segment` s."""
         return []
 
     def memory_groups(self, store) -> list:

@@ -143,10 +143,14 @@ MODES = tuple(
 ) + (
     ("int4/int8", "streaming", "cache"), ("int2/fp16", "streaming", "absolute"), ("fp16/int4", "full", "absolute"),
     ("bf16/int2", "streaming", "cache"), ("int4@float16", "streaming", "cache"), ("int2@bfloat16", "full", "absolute"),
+    ("int2+pre-rope", "streaming", "absolute"), ("int4/int2+hadamard-values", "streaming", "cache"),
+    ("int2+hadamard-keys", "full", "absolute"), ("int4+hadamard-both", "streaming", "absolute"),
+    ("int4/int2+pre-rope+hadamard-values@float16", "streaming", "absolute"),
 )
 """Every cache mode the audit covers: (storage, full|streaming, positions). The storage is a
-``kv_quantize`` mode, or ``K/V`` (keys as K, values as V), optionally ``@DTYPE`` (the
-residual and sinks in that ``residual_dtype``)."""
+``kv_quantize`` mode, or ``K/V`` (keys as K, values as V), then any of ``+pre-rope`` (keys
+stored before RoPE in absolute mode) and ``+hadamard-SIDES`` (``hadamard=SIDES``), optionally
+``@DTYPE`` (the residual and sinks in that ``residual_dtype``)."""
 
 
 def mode_spec(storage: str, kind: str, positions: str):
@@ -155,10 +159,13 @@ def mode_spec(storage: str, kind: str, positions: str):
     from jaxkv.cache.spec import CacheSpec
 
     modes, _, residual_dtype = storage.partition("@")
+    modes, *options = modes.split("+")
     keys, _, values = modes.partition("/")
     shape = dict(sink=4, window=16) if kind == "streaming" else dict(max_len=32)
+    sides = [o.removeprefix("hadamard-") for o in options if o.startswith("hadamard-")]
     return CacheSpec(kv_quantize=values or keys, k_quantize=keys, residual_dtype=residual_dtype or "float32",
-                     group_size=4, residual=8, positions=positions, **shape)
+                     group_size=4, residual=8, positions=positions, pre_rope_keys="pre-rope" in options,
+                     hadamard=sides[0] if sides else "none", **shape)
 
 
 SAMPLERS = ("greedy", "temperature")
