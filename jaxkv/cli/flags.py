@@ -84,6 +84,12 @@ def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str]
                    help="the values' storage, overriding --kv-quantize: fp32|fp16|bf16|int8|int4|int2 (default: --kv-quantize's)")
     g.add_argument("--kv-residual-dtype", default=None, metavar="DTYPE",
                    help="float32|float16|bfloat16: the KIVI residual and sinks (default: float32)")
+    g.add_argument("--kv-pre-rope", action="store_true", default=None,
+                   help="store keys before RoPE and rotate them on read at their position, also with --positions "
+                        "absolute (better int* key statistics; --positions cache always does) (default: off)")
+    g.add_argument("--kv-hadamard", default=None, metavar="SIDES",
+                   help="none|values|keys|both: quantise those int* sides rotated by an orthonormal Hadamard matrix "
+                        "per head, folded into attention (keys: only with keys stored after RoPE) (default: none)")
     g.add_argument("--kv-group-size", type=int, default=None, metavar="G",
                    help=f"KIVI tokens per per-channel key group {default('kv_group_size', str(CacheSpec.group_size))}; "
                         "a window that is not a multiple of G is rounded down, with a note")
@@ -97,7 +103,7 @@ def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str]
 CACHE_FLAGS = {"max_len": "--max-len", "sink": "--streaming-llm-sink", "window": "--streaming-llm-window",
                "kv_quantize": "--kv-quantize", "group_size": "--kv-group-size", "residual": "--kv-residual",
                "positions": "--positions", "k_quantize": "--kv-quantize-k", "v_quantize": "--kv-quantize-v",
-               "residual_dtype": "--kv-residual-dtype"}
+               "residual_dtype": "--kv-residual-dtype", "pre_rope_keys": "--kv-pre-rope", "hadamard": "--kv-hadamard"}
 FLAGS = {**CACHE_FLAGS, "batch": "--batch-size"}
 
 
@@ -207,6 +213,8 @@ def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) 
         k_quantize=_given(args, "k_quantize"),
         v_quantize=_given(args, "v_quantize"),
         residual_dtype=_given(args, "residual_dtype") or CacheSpec.residual_dtype,
+        pre_rope_keys=bool(_given(args, "pre_rope_keys")),
+        hadamard=_given(args, "hadamard") or CacheSpec.hadamard,
         group_size=group,
         residual=residual,
         positions=args.positions,

@@ -38,7 +38,7 @@ def run(args) -> None:
     recompute = args.recompute_window is not None
     if recompute:
         check_int("--recompute-window", args.recompute_window, 1)
-        storage = (args.kv_quantize_k, args.kv_quantize_v, args.kv_residual_dtype)
+        storage = (args.kv_quantize_k, args.kv_quantize_v, args.kv_residual_dtype, args.kv_pre_rope, args.kv_hadamard)
         if (args.streaming_llm_window is not None or args.kv_quantize != "fp32" or any(storage)
                 or args.positions != "absolute" or args.max_len is not None):
             raise JaxkvError("--recompute-window re-encodes every window from scratch: of the cache flags it takes only --streaming-llm-sink")

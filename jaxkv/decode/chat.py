@@ -91,6 +91,8 @@ def default_cache_spec(
     k_quantize: str | None = None,
     v_quantize: str | None = None,
     residual_dtype: str = "float32",
+    pre_rope_keys: bool = False,
+    hadamard: str = "none",
 ) -> CacheSpec:
     """The chat's default cache: a StreamingLLM cache that never runs out.
 
@@ -100,15 +102,17 @@ def default_cache_spec(
     context). With KIVI the residual counts towards the retained tokens and the window is
     rounded down to a multiple of ``group_size``. ``positions="cache"`` keeps RoPE
     positions below the retained count (StreamingLLM §3.2), hence inside the model's context.
-    ``k_quantize``, ``v_quantize``, ``residual_dtype``: as :class:`CacheSpec` takes them.
+    ``k_quantize``, ``v_quantize``, ``residual_dtype``, ``pre_rope_keys``, ``hadamard``: as
+    :class:`CacheSpec` takes them.
 
     Raises:
       JaxkvError: sizes that leave no valid window (the message names them).
     """
     total = min(slots, config.max_seq_len)
     # the storage of a spec that has validated these values (named errors, not a division by zero)
-    modes = dict(kv_quantize=kv_quantize, k_quantize=k_quantize, v_quantize=v_quantize, residual_dtype=residual_dtype)
-    storage = CacheSpec(max_len=1, group_size=group_size, residual=residual, **modes).storage
+    modes = dict(kv_quantize=kv_quantize, k_quantize=k_quantize, v_quantize=v_quantize, residual_dtype=residual_dtype,
+                 pre_rope_keys=pre_rope_keys, hadamard=hadamard)
+    storage = CacheSpec(max_len=1, group_size=group_size, residual=residual, positions=positions, **modes).storage
     window = storage.window_for(total - sink)
     if window < 1:
         raise JaxkvError(
