@@ -426,3 +426,46 @@ def test_lowering_has_no_metal_hazards(bits, scale_dtype):
         for bad in _FORBIDDEN:
             assert bad not in text, f"{bad!r} in lowered KIVI kernel"
     assert "xui8" in texts[0]  # uint8 is the storage dtype of codes
+
+
+# ------------------------------------------------------------- the Hadamard rotation (issue 15)
+
+
+def test_hadamard_is_orthonormal_symmetric_and_the_sylvester_matrix():
+    """``jaxkv.cache.rotation.hadamard(n)`` equals the reference's Kronecker construction, is
+    symmetric and orthonormal (M @ M = I to float32 rounding), so storing ``x @ M`` and reading
+    ``(.) @ M`` gives ``x`` back and ``(q @ M) . (k @ M) = q . k``; other sizes are refused."""
+    from reference import sylvester
+    from jaxkv.cache.rotation import hadamard
+
+    for n in (1, 2, 8, 64, 256):
+        m = hadamard(n)
+        assert m.dtype == np.float32 and m.shape == (n, n)
+        np.testing.assert_array_equal(m, sylvester(n).astype(np.float32))
+        np.testing.assert_array_equal(m, m.T)
+        np.testing.assert_allclose(m.astype(np.float64) @ m, np.eye(n), atol=1e-6)
+    for bad in (0, 3, 96, True, 8.0):
+        with pytest.raises(JaxkvError, match=f"head_dim that is a power of two .*: got {bad!r}$"):
+            hadamard(bad)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_rotated_values_round_trip_and_spread_an_outlier_channel(bits):
+    """Per-token quantisation of ``v @ M`` read back as ``dequantise(.) @ M``: the error's L2
+    norm per token is at most ``sqrt(H) * scale / 2`` (M preserves norms), and with one outlier
+    channel (x 20, as LLM values have) the rotation lowers the mean squared error (measured on
+    this seed: int8 2.9x, int4 3.1x, int2 1.9x lower)."""
+    from jaxkv.cache.rotation import hadamard
+
+    rng = np.random.default_rng(bits)
+    x = rng.standard_normal(SHAPE).astype(F32)
+    x[..., 3] *= 20.0
+    m = hadamard(SHAPE[-1])
+    rotated = x @ m
+    qt = kivi.quantize_values(jnp.asarray(rotated), bits=bits, scale_dtype=jnp.float32)
+    back = np.asarray(kivi.dequantize_values(qt, bits=bits, dtype=jnp.float32)) @ m
+    err = np.linalg.norm(back - x, axis=-1)
+    assert np.all(err <= np.sqrt(SHAPE[-1]) * np.asarray(qt.scale) / 2 * (1 + 1e-5))
+    plain = np.asarray(kivi.dequantize_values(kivi.quantize_values(jnp.asarray(x), bits=bits, scale_dtype=jnp.float32),
+                                              bits=bits, dtype=jnp.float32))
+    assert np.mean((back - x) ** 2) < 0.6 * np.mean((plain - x) ** 2)
