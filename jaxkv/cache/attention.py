@@ -14,9 +14,9 @@ import warnings
 import jax.numpy as jnp
 from jax import lax
 
+from jaxkv.cache import rotation
 from jaxkv.cache.kv import LayerKV, Step
 from jaxkv.cache.rope import Rope, apply_rope, as_rope, rope_blocks
-from jaxkv.cache import rotation
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.cache.storage import Segment
 from jaxkv.errors import JaxkvError
