@@ -144,3 +144,18 @@ def test_mode_with_separate_key_and_value_storage():
     assert parse_mode("full:int4/int4", 64) == CacheSpec(max_len=64, kv_quantize="int4", group_size=32, residual=32)
     with pytest.raises(JaxkvError, match=r"cache mode 'full:int4/int3': expected full or sinkS\+W"):
         parse_mode("full:int4/int3", 64)
+
+
+def test_mode_with_storage_options():
+    """``+pre-rope`` and ``+hadamard-SIDES`` after the storage (issue 15's levers, as the audit spells them)."""
+    from jaxkv.eval.bench import parse_mode
+
+    spec = parse_mode("sink4+256:int4/int2+pre-rope+hadamard-values", 64)
+    assert spec == CacheSpec(sink=4, window=256, k_quantize="int4", v_quantize="int2", group_size=32, residual=32,
+                             pre_rope_keys=True, hadamard="values")
+    assert parse_mode("full:int2+hadamard-both", 64).storage.rotate_keys
+    with pytest.raises(JaxkvError, match="cache mode 'full:int2\\+rotate': storage option 'rotate': expected one of "
+                                         "pre-rope, hadamard-keys, hadamard-values, hadamard-both"):
+        parse_mode("full:int2+rotate", 64)
+    with pytest.raises(JaxkvError, match="cache mode 'full:fp16\\+hadamard-values': CacheSpec.hadamard='values' rotates"):
+        parse_mode("full:fp16+hadamard-values", 64)

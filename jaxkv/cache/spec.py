@@ -25,6 +25,23 @@ KV_MODES = FLOAT_MODES + QUANT_MODES
 SCALE_DTYPES = ("float16", "float32")
 RESIDUAL_DTYPES = ("float32", "float16", "bfloat16")
 HADAMARD_SIDES = {"none": (False, False), "keys": (True, False), "values": (False, True), "both": (True, True)}
+LEVERS = {"pre-rope": {"pre_rope_keys": True}, **{f"hadamard-{side}": {"hadamard": side} for side in HADAMARD_SIDES if side != "none"}}
+"""Storage options of the benchmark's and the audit's mode strings (``int2+pre-rope+hadamard-values``)
+and the :class:`CacheSpec` fields each sets."""
+
+
+def lever_fields(names) -> dict:
+    """The :class:`CacheSpec` fields of option names of :data:`LEVERS` (e.g. ``["pre-rope"]``).
+
+    Raises:
+      JaxkvError: a name not in :data:`LEVERS`.
+    """
+    fields = {}
+    for name in names:
+        if name not in LEVERS:
+            raise JaxkvError(f"storage option {name!r}: expected one of {', '.join(LEVERS)}")
+        fields.update(LEVERS[name])
+    return fields
 
 
 def make_storage(kv_quantize: str, v_quantize: str | None = None, *, group_size: int = 32, residual: int = 128,

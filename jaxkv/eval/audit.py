@@ -148,24 +148,22 @@ MODES = tuple(
     ("int4/int2+pre-rope+hadamard-values@float16", "streaming", "absolute"),
 )
 """Every cache mode the audit covers: (storage, full|streaming, positions). The storage is a
-``kv_quantize`` mode, or ``K/V`` (keys as K, values as V), then any of ``+pre-rope`` (keys
-stored before RoPE in absolute mode) and ``+hadamard-SIDES`` (``hadamard=SIDES``), optionally
+``kv_quantize`` mode, or ``K/V`` (keys as K, values as V), then any options of
+:data:`jaxkv.cache.spec.LEVERS` (``+pre-rope``, ``+hadamard-values``, ...), optionally
 ``@DTYPE`` (the residual and sinks in that ``residual_dtype``)."""
 
 
 def mode_spec(storage: str, kind: str, positions: str):
     """A small :class:`CacheSpec` of one mode of :data:`MODES` (sink 4 + window 16 or a full
     cache of 32; KIVI G=4, R=8)."""
-    from jaxkv.cache.spec import CacheSpec
+    from jaxkv.cache.spec import CacheSpec, lever_fields
 
     modes, _, residual_dtype = storage.partition("@")
     modes, *options = modes.split("+")
     keys, _, values = modes.partition("/")
     shape = dict(sink=4, window=16) if kind == "streaming" else dict(max_len=32)
-    sides = [o.removeprefix("hadamard-") for o in options if o.startswith("hadamard-")]
     return CacheSpec(kv_quantize=values or keys, k_quantize=keys, residual_dtype=residual_dtype or "float32",
-                     group_size=4, residual=8, positions=positions, pre_rope_keys="pre-rope" in options,
-                     hadamard=sides[0] if sides else "none", **shape)
+                     group_size=4, residual=8, positions=positions, **lever_fields(options), **shape)
 
 
 SAMPLERS = ("greedy", "temperature")

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.cache.memory import memory_report
-from jaxkv.cache.spec import KV_MODES, CacheSpec
+from jaxkv.cache.spec import KV_MODES, CacheSpec, lever_fields
 from jaxkv.errors import JaxkvError, check_int
 from jaxkv.io import LoadedModel, load_model
 from jaxkv.models.llama import LlamaConfig
@@ -50,16 +50,17 @@ KIVI = {"group_size": 32, "residual": 32}
 SYNTHETIC = {"L": "n_layers", "D": "dim", "N": "n_heads", "K": "n_kv_heads", "F": "hidden_dim", "V": "vocab_size"}
 """Keys of a ``synthetic:`` model spec and the :class:`LlamaConfig` fields they set."""
 
-_MODE = re.compile(rf"(?:full|sink(\d+)\+(\d+))(?::({'|'.join(KV_MODES)})(?:/({'|'.join(KV_MODES)}))?)?")
+_MODE = re.compile(rf"(?:full|sink(\d+)\+(\d+))(?::({'|'.join(KV_MODES)})(?:/({'|'.join(KV_MODES)}))?((?:\+[a-z-]+)*))?")
 
 
 def parse_mode(text: str, max_len: int) -> CacheSpec:
     """The cache a mode string names: ``full``, ``full:int8``, ``sink4+252``, ``sink4+256:int4``,
-    ``sink4+256:int2/fp16``.
+    ``sink4+256:int2/fp16``, ``sink4+256:int2+pre-rope+hadamard-values``.
 
     ``full`` is a full cache of ``max_len`` slots, ``sinkS+W`` a StreamingLLM cache of S sinks
     and a window of W tokens; ``:Q`` stores it as Q (fp32 default; int8|int4|int2 are KIVI with
-    the group size and residual of :data:`KIVI`), ``:K/V`` keys as K and values as V.
+    the group size and residual of :data:`KIVI`), ``:K/V`` keys as K and values as V, then any
+    ``+OPTION`` of :data:`jaxkv.cache.spec.LEVERS` (pre-RoPE keys, a Hadamard rotation).
 
     Raises:
       JaxkvError: text of no such form (named), or a spec :class:`CacheSpec` refuses.
@@ -67,10 +68,12 @@ def parse_mode(text: str, max_len: int) -> CacheSpec:
     m = _MODE.fullmatch(text)
     if m is None:
         raise JaxkvError(f"cache mode {text!r}: expected full or sinkS+W, optionally :{'|'.join(KV_MODES)} "
-                         "or :K/V for keys and values (e.g. full, sink4+252, sink4+256:int4, sink4+256:int2/fp16)")
-    sink, window, quant, values = m.groups()
+                         "or :K/V for keys and values, then +OPTIONs (e.g. full, sink4+252, sink4+256:int4, "
+                         "sink4+256:int2/fp16, sink4+256:int2+pre-rope+hadamard-values)")
+    sink, window, quant, values, options = m.groups()
     modes = dict(kv_quantize=values or quant or "fp32", k_quantize=quant if values else None)
     try:  # KIVI's group size and residual; float storage has none
+        modes.update(lever_fields(options.split("+")[1:] if options else []))
         if window is None:
             return CacheSpec(max_len=max_len, **modes, **KIVI)
         return CacheSpec(sink=int(sink), window=int(window), **modes, **KIVI)
