@@ -153,6 +153,8 @@ def main(argv=None) -> int:
     from jaxkv.files import atomic_write
 
     if args.render_only:
+        if not json_path.is_file():
+            raise SystemExit(f"--render-only: no {json_path} to render (run without --render-only first)")
         res = json.loads(json_path.read_text())
     else:
         import jax

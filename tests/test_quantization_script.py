@@ -143,3 +143,22 @@ def test_text_prompts_are_whole_paragraphs(tmp_path):
     assert q.text_prompts(path, count=2, chars=12, skip_chars=3) == ["One two.\n\nThree four five.", "Six.\n\nSeven eight nine ten."]
     with pytest.raises(JaxkvError, match="only 2 prompts of 12 characters"):
         q.text_prompts(path, count=3, chars=12, skip_chars=3)
+
+
+def test_render_and_plot_from_results_alone(tmp_path):
+    pytest.importorskip("matplotlib")
+    from jaxkv.eval.report.measure import machine
+
+    rows = rows_of(fp16=(0.0, 16.0, None), **{"int2-r32": (0.3, 3.9, 3.5), "k4v2": (-0.002, 4.6, 4.0)})
+    res = dict(quick=True, sizes=dict(q.QUICK), date="today", machine=dict(machine(), load_avg_end=[0, 0, 0]),
+               timings={}, skipped={"int2-had-v": ["hadamard"]},
+               configs={k: dict(kind="KIVI", storage={}, recommended=False, flags=f"--x {k}") for k in rows},
+               models={"m": dict(n_layers=2, n_kv_heads=2, head_dim=8, trained_context=512)},
+               ppl={"m": dict(tokens=256, scored=255, fp32_ppl=4.0, configs=rows)})
+    name = q.plot(res, tmp_path / "quantization.png")
+    assert (tmp_path / name).stat().st_size > 10_000
+    text = q.render(res, name)
+    assert "![ΔPPL versus effective bits](results/quantization.png)" in text
+    assert "- <= 5 bits/element, goal ΔPPL <= 1 %: **met** by `k4v2`, ΔPPL -0.20 % at 4.60 bits (2 configs within the budget)" in text
+    assert "| int2-r32 | `--x int2-r32` | 3.50 / 3.90 | +30.00 % |" in text
+    assert "`int2-had-v` (hadamard)" in text

@@ -265,7 +265,7 @@ def measure(models: Mapping[str, LoadedModel], ids: Mapping[str, Sequence[int]],
       main: the model of the greedy match and the decode timing; prefill_model: that of the
         prefill temporaries.
       quick: a smoke run (said in the document). skipped: ``{name: missing}`` of configs left out.
-      sections: which of ppl, greedy, decode, prefill to measure.
+      sections: which of ppl, greedy, decode, prefill to measure (greedy only with a recommended config).
     Returns:
       ``{"quick", "sizes", "date", "machine", "configs": {name: {"kind", "storage", "recommended",
       "flags"}}, "skipped", "models": {name: {"n_layers", "n_kv_heads", "head_dim",
@@ -294,8 +294,8 @@ def measure(models: Mapping[str, LoadedModel], ids: Mapping[str, Sequence[int]],
         for name, model in models.items():
             with Timer(timings, f"{name} ppl"):
                 res["ppl"][name] = ppl_rows(model, ids[name], configs)
-    if "greedy" in sections:
-        chosen = [c for c in configs if c.recommended]
+    chosen = [c for c in configs if c.recommended]
+    if "greedy" in sections and chosen:
         with Timer(timings, f"{main} greedy"):
             res["greedy"] = dict(model=main, prompts=list(prompts),
                                  **greedy_rows(models[main], prompts, chosen, new_tokens=sizes["greedy_new"]))
@@ -494,7 +494,8 @@ def render(res: dict, plot_name: str | None) -> str:
             "first divergence, mean over the prompts (exactly reproduced prompts in brackets).")
     if decode:
         add(f"- **Decode ms/token** ({decode['model']}): `jaxkv.eval.bench.run`, a StreamingLLM cache of sink "
-            f"{decode['sink']} + window {decode['window']} in each config (the same window for all), a random "
+            f"{decode['sink']} + window {decode['window']} in each config (the same window for all; a KIVI cache "
+            "also holds its residual), a random "
             f"prompt of {s['decode_prompt']} tokens, {s['decode_new']} greedy tokens in blocks of {s['decode_block']}, "
             f"the configs round-robin {s['decode_repeat']} time(s), median; the ratio is to {BASELINE}'s ms/token "
             "(> 1 = slower).")
@@ -535,7 +536,7 @@ def plot(res: dict, path: pathlib.Path) -> str:
     import matplotlib.pyplot as plt
 
     models = list(res["ppl"])
-    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 7), squeeze=False)
     for ax, model in zip(axes[0], models):
         rows = res["ppl"][model]["configs"]
         for i, (name, r) in enumerate(rows.items()):
@@ -556,8 +557,11 @@ def plot(res: dict, path: pathlib.Path) -> str:
         p = res["ppl"][model]
         ax.set_title(f"{model}: {p['tokens']} tokens, fp32 ppl {p['fp32_ppl']:.3f}", fontsize=9)
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=6, ncol=2, loc="upper right")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()  # the same configs, markers and colours in every panel
+    handles = [matplotlib.lines.Line2D([], [], marker=h.get_marker(), color=h.get_color(), ls=h.get_linestyle(),
+                                       lw=h.get_linewidth()) for h in handles]  # filled, whatever the first panel's sign
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 + 0.012 * (len(labels) // 5), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path.name
