@@ -4,6 +4,7 @@ the model and tokenizer, and the sampler."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from jaxkv.cache.spec import QUANT_MODES, CacheSpec
@@ -219,3 +220,46 @@ def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) 
         residual=residual,
         positions=args.positions,
     )
+
+
+def spec_flags(spec: CacheSpec, *, shape: bool = True) -> tuple[list[str], dict]:
+    """The cache flags that describe ``spec``, the inverse of :func:`cache_spec_from_args`:
+    ``CacheSpec(window=512, sink=4, kv_quantize="int2", k_quantize="int4", residual=32)`` ->
+    ``--streaming-llm-sink 4 --streaming-llm-window 512 --kv-quantize-k int4 --kv-quantize-v int2
+    --kv-group-size 32 --kv-residual 32``.
+
+    Flags left at their defaults are left out, except a quantised cache's group size and
+    residual, which are always given (so the flags read as the KIVI configuration they are).
+
+    Args:
+      spec: a single-layer cache spec.
+      shape: include the shape flags (``--max-len``, or ``--streaming-llm-sink``/``-window``);
+        without them the flags are the storage only, for any cache shape.
+    Returns:
+      ``(flags, unflagged)``: the command-line words (flag, value, flag, ...; a ``True`` field is
+      its flag alone), and ``{field: value}`` of the fields that differ from their default but
+      have no flag (e.g. ``attention_window``, which a model's local layers set).
+    """
+    flags: list[str] = []
+    if shape and spec.bounded:
+        flags += ([CACHE_FLAGS["sink"], str(spec.sink)] if spec.sink else []) + [CACHE_FLAGS["window"], str(spec.window)]
+    elif shape:
+        flags += [CACHE_FLAGS["max_len"], str(spec.max_len)]
+    keys, values = spec.kv_modes
+    if keys != values:
+        flags += [CACHE_FLAGS["k_quantize"], keys, CACHE_FLAGS["v_quantize"], values]
+    elif keys != CacheSpec.kv_quantize:
+        flags += [CACHE_FLAGS["kv_quantize"], keys]
+    if spec.quantized:
+        flags += [CACHE_FLAGS["group_size"], str(spec.group_size), CACHE_FLAGS["residual"], str(spec.residual)]
+    done = {"max_len", "sink", "window", "kv_quantize", "k_quantize", "v_quantize", "group_size", "residual"}
+    unflagged = {}
+    for field in dataclasses.fields(CacheSpec):
+        value = getattr(spec, field.name)
+        if field.name in done or value == field.default:
+            continue
+        if field.name not in CACHE_FLAGS:
+            unflagged[field.name] = value
+        else:
+            flags += [CACHE_FLAGS[field.name]] + ([] if value is True else [str(value)])
+    return flags, unflagged

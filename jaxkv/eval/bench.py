@@ -1,5 +1,6 @@
 """Decode benchmark (``jaxkv bench``): decode ms/token by cache mode and generated length,
-beside a memory-bandwidth roofline; also prefill tokens/s, compile seconds, cache bytes, peak RSS.
+beside a memory-bandwidth roofline; also prefill tokens/s, compile seconds, cache bytes, peak RSS,
+and the temporary bytes of a compiled prefill call (:func:`prefill_temp_bytes`).
 
 Method. For each cache mode, one run of :func:`jaxkv.generate`: batch 1, a random prompt of
 ``prompt_tokens`` ids, greedy, EOS disabled, ``max(lengths)`` generated tokens in compiled
@@ -30,7 +31,7 @@ import re
 import resource
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -42,7 +43,8 @@ from jaxkv.errors import JaxkvError, check_int
 from jaxkv.io import LoadedModel, load_model
 from jaxkv.models.llama import LlamaConfig
 from jaxkv.models.llama import Llama
-from jaxkv.decode import generate
+from jaxkv.decode import chunk_len, generate, new_cache
+from jaxkv.decode.loop import prefill_chunk
 
 KIVI = {"group_size": 32, "residual": 32}
 """KIVI group size G and residual R of the benchmark's int* modes, tokens."""
@@ -183,14 +185,40 @@ def bench_mode(model: LoadedModel, spec: CacheSpec, lengths: Sequence[int], *, p
     }
 
 
-def run(model: str | LoadedModel | None, modes: Sequence[str], lengths: Sequence[int], *, prompt_tokens: int,
-        block: int, repeat: int, log: Callable[[str], None] | None = None) -> dict:
+
+def prefill_temp_bytes(model: LoadedModel, spec: CacheSpec, *, chunk: int = 128) -> tuple[int, int]:
+    """Temporary bytes XLA allocates for one compiled prefill call (:func:`jaxkv.decode.prefill`'s
+    step) into a one-row cache of ``spec``: the ``temp_size_in_bytes`` of the compiled program's
+    ``memory_analysis()`` (scratch buffers: attention scores, dequantised blocks; not the weights,
+    the donated cache, nor the chunk's inputs and logits). Compiles, runs nothing.
+
+    Args:
+      model: the model. spec: its cache. chunk: tokens per prefill call, capped as
+        :func:`jaxkv.decode.chunk_len` caps it (at ``spec.max_chunk``: a KIVI residual of R < chunk
+        tokens makes the call R tokens).
+    Returns:
+      ``(temp bytes, tokens T of the compiled call)``.
+    Raises:
+      JaxkvError: a cache the model cannot use.
+    """
+    cache = new_cache(model.config, spec, 1)
+    t = chunk_len(cache.spec, chunk, chunk)
+    graphdef, state = nnx.split(model.model)
+    tokens = jax.ShapeDtypeStruct((1, t), np.int32)
+    n = jax.ShapeDtypeStruct((1,), np.int32)
+    compiled = prefill_chunk.lower(graphdef, state, tokens, n, cache).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes), t
+
+
+def run(model: str | LoadedModel | None, modes: Sequence[str] | Mapping[str, CacheSpec], lengths: Sequence[int], *,
+        prompt_tokens: int, block: int, repeat: int, log: Callable[[str], None] | None = None) -> dict:
     """Benchmark every mode at every length, the modes round-robin ``repeat`` times.
 
     Validates every argument before loading the model.
 
     Args:
-      model: a :class:`LoadedModel` or what :func:`load` takes. modes: mode strings (:func:`parse_mode`).
+      model: a :class:`LoadedModel` or what :func:`load` takes. modes: mode strings (:func:`parse_mode`),
+        or a mapping ``{label: CacheSpec}`` for caches no mode string names (the label is the run's ``mode``).
       lengths: generated lengths to report, tokens (one run per mode to the longest).
       prompt_tokens: prompt length, tokens. block: decode steps per compiled call. repeat: rounds over the modes.
       log: called with one line after each run (progress).
@@ -211,7 +239,10 @@ def run(model: str | LoadedModel | None, modes: Sequence[str], lengths: Sequence
     if min(lengths) < block:  # ms/token is measured per decode block
         raise JaxkvError(f"length {min(lengths)} is shorter than one decode block ({block} tokens): "
                          "use lengths >= --block or a smaller --block")
-    specs = [parse_mode(mode, prompt_tokens + max(lengths)) for mode in modes]
+    if isinstance(modes, Mapping):
+        modes, specs = list(modes), list(modes.values())
+    else:
+        specs = [parse_mode(mode, prompt_tokens + max(lengths)) for mode in modes]
     loaded = model if isinstance(model, LoadedModel) else load(model)
     bandwidth = bandwidth_gbs()
     repeats = [[] for _ in specs]

@@ -25,6 +25,7 @@ reproduced before the first divergence (1.0 = all identical).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -188,31 +189,40 @@ def greedy_match(model: LoadedModel, prompts=PROMPTS, *, modes=GREEDY_MODES, new
     Args:
       model: a :class:`jaxkv.LoadedModel` (its tokenizer encodes the prompts, BOS as the model's default).
       prompts: texts, decoded as one ragged batch.
-      modes: cache modes to compare with fp32 (float or KIVI; KIVI with ``group_size``/``residual``).
+      modes: cache modes to compare with fp32 (float or KIVI; KIVI with ``group_size``/``residual``),
+        or a mapping ``{label: spec(max_len)}`` for any other full cache: ``spec`` takes the slots
+        the run needs (longest prompt + ``new_tokens``) and returns the
+        :class:`jaxkv.CacheSpec` (or per-layer specs) to decode with.
       new_tokens: tokens generated per prompt (EOS disabled).
     Returns:
       ``{"reference": [[ids]], "fp32": timing, "prompt_lengths": [tokens], "modes": {mode: {"per_prompt":
-      [:func:`prefix_match`], "mean": float, "exact": int rows, "tokens": [[ids]], **timing}}}``; ``timing``
-      holds wall ``seconds``, ``cpu_seconds`` (all threads) and generate's ``compile_s``/``prefill_s``/``decode_s``.
+      [:func:`prefix_match`], "mean": float, "exact": int rows, "tokens": [[ids]], **timing}}}`` (``mode``:
+      the label for a mapping); ``timing`` holds wall ``seconds``, ``cpu_seconds`` (all threads) and
+      generate's ``compile_s``/``prefill_s``/``decode_s``.
     Raises:
       JaxkvError: as :func:`jaxkv.generate` and :class:`jaxkv.CacheSpec`.
     """
     ids = [model.tokenizer.encode(p) for p in prompts]
     max_len = max(len(p) for p in ids) + new_tokens
 
-    def run(mode):
+    def mode_spec(mode):
+        return lambda slots: CacheSpec(max_len=slots, kv_quantize=mode, group_size=group_size, residual=residual)  # G, R: KIVI only
+
+    specs = dict(modes) if isinstance(modes, Mapping) else {mode: mode_spec(mode) for mode in modes}
+
+    def run(make_spec):
         t0, c0 = time.perf_counter(), time.process_time()
-        spec = CacheSpec(max_len=max_len, kv_quantize=mode, group_size=group_size, residual=residual)  # G, R: KIVI only
+        spec = make_spec(max_len)
         out = generate(model, ids, max_new_tokens=new_tokens, cache=spec, eos_id=-1)
         assert all(len(t) == new_tokens for t in out.token_ids), out.finish_reasons
         timing = dict(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0,
                       compile_s=out.compile_s, prefill_s=out.prefill_s, decode_s=out.decode_s)
         return out.token_ids, timing
 
-    reference, ref_timing = run("fp32")
+    reference, ref_timing = run(mode_spec("fp32"))
     result = dict(reference=reference, fp32=ref_timing, prompt_lengths=[len(p) for p in ids], modes={})
-    for mode in modes:
-        got, timing = run(mode)
+    for mode, make_spec in specs.items():
+        got, timing = run(make_spec)
         per = [prefix_match(r, g) for r, g in zip(reference, got)]
         result["modes"][mode] = dict(per_prompt=per, mean=sum(per) / len(per), exact=sum(p == 1.0 for p in per),
                                      tokens=got, **timing)

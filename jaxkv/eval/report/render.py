@@ -78,6 +78,18 @@ def claims(res) -> dict:
 
 
 
+def machine_text(m: dict, total: dict) -> str:
+    """The **Machine** / **Versions** / **Wall time** paragraph of a generated document, from
+    :func:`jaxkv.eval.report.measure.machine` (``load_avg_end`` added at the end of the run) and
+    the run's total ``{"wall_s", "cpu_s"}``."""
+    return (f"**Machine**: {m['cpu']}, {m['logical_cpus']} logical CPUs ({m['usable_cpus']} usable), {m['platform']}; "
+            f"JAX backend `{m['backend']}`. **Versions**: Python {m['python']}, jax {m['jax']}, jaxlib {m['jaxlib']}, "
+            f"flax {m['flax']}, numpy {m['numpy']}. **Wall time**: {total.get('wall_s', float('nan')) / 60:.1f} min "
+            f"({total.get('cpu_s', float('nan')) / 60:.1f} CPU-min over all threads). Load average at start "
+            f"{m['load_avg_start']}, at end {m.get('load_avg_end')}: the machine was shared with other jobs, so wall "
+            "times are upper bounds (the CPU-minutes are closer to what an idle 2-core machine needs).")
+
+
 def fmt_ratio(r) -> str:
     """A :func:`jaxkv.eval.paired_ratio` dict as ``ratio [lo, hi]``."""
     return f"{r['ratio']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}]"
@@ -111,13 +123,7 @@ def render(res: dict, made: list[str]) -> str:
         "Rerun it to regenerate this file, its plots in `docs/results/` and `docs/results/results.json` "
         "(which also holds every per-token NLL): `pip install -e '.[results]' && python scripts/reproduce.py`.")
     add("")
-    tot = res["timings"].get("total", {})
-    add(f"**Machine**: {m['cpu']}, {m['logical_cpus']} logical CPUs ({m['usable_cpus']} usable), {m['platform']}; "
-        f"JAX backend `{m['backend']}`. **Versions**: Python {m['python']}, jax {m['jax']}, jaxlib {m['jaxlib']}, "
-        f"flax {m['flax']}, numpy {m['numpy']}. **Wall time**: {tot.get('wall_s', float('nan')) / 60:.1f} min "
-        f"({tot.get('cpu_s', float('nan')) / 60:.1f} CPU-min over all threads). Load average at start "
-        f"{m['load_avg_start']}, at end {m.get('load_avg_end')}: the machine was shared with other jobs, so wall "
-        "times are upper bounds (the CPU-minutes are closer to what an idle 2-core machine needs).")
+    add(machine_text(m, res["timings"].get("total", {})))
     add("")
     add("## Summary of the claims (thresholds fixed in `claims()` of `jaxkv/eval/report/render.py` before the full run)")
     add("")
