@@ -67,27 +67,21 @@ CONFIGS = (
     # per-layer boost SLOT (jaxkv.eval.report.quantization.boosted): layers 0 and 1 stand in for
     # the top 2 of the sensitivity pass on SmolLM2 (`jaxkv ppl --kv-sensitivity`); set them from it
     QuantConfig("int2-boost2", "lever", _kivi("int2"), boost=(0, 1), boost_quantize="int8"),
-    QuantConfig("int4-res16", "lever", _kivi("int4", residual_dtype="float16")),
-    QuantConfig("int4-cachepos", "lever", _kivi("int4", positions="cache")),
     QuantConfig("int4-prerope", "lever", _kivi("int4", pre_rope_keys=True)),
     QuantConfig("int4-had-v", "lever", _kivi("int4", hadamard="values")),
-    # combinations (recommended: the candidates for each budget)
-    QuantConfig("int4-cachepos-res16", "combination", _kivi("int4", positions="cache", residual_dtype="float16"),
+    # combinations (recommended: the candidates for each budget). R = 32 in float16: at 2,048
+    # tokens the residual and its 16 bits weigh 0.25 bit/element, R = 128 a whole bit.
+    QuantConfig("int4-r32-res16", "combination", _kivi("int4", 32, residual_dtype="float16"), recommended=True),
+    QuantConfig("k4v2-r32-hadkv-res16", "combination", _k4v2(residual=32, hadamard="both", residual_dtype="float16"),
                 recommended=True),
-    QuantConfig("int4-prerope-res16", "combination", _kivi("int4", pre_rope_keys=True, residual_dtype="float16"),
+    QuantConfig("k4v2-r32-prerope-hadv-res16", "combination",
+                _k4v2(residual=32, pre_rope_keys=True, hadamard="values", residual_dtype="float16")),
+    QuantConfig("int2-r32-hadkv-res16", "combination", _kivi("int2", 32, hadamard="both", residual_dtype="float16"),
                 recommended=True),
-    QuantConfig("int4-prerope-hadv-res16", "combination",
-                _kivi("int4", pre_rope_keys=True, hadamard="values", residual_dtype="float16")),
-    QuantConfig("k4v2-cachepos-res16", "combination", _k4v2(positions="cache", residual_dtype="float16"),
-                recommended=True),
-    QuantConfig("k4v2-prerope-hadv", "combination", _k4v2(pre_rope_keys=True, hadamard="values")),
-    QuantConfig("k4v2-prerope-hadv-res16", "combination", _k4v2(pre_rope_keys=True, hadamard="values",
-                                                                residual_dtype="float16"), recommended=True),
-    QuantConfig("int2-prerope-hadkv-res16", "combination",
-                _kivi("int2", pre_rope_keys=True, hadamard="both", residual_dtype="float16"), recommended=True),
-    QuantConfig("int2-g128-prerope-hadv-res16", "combination",
-                _kivi("int2", 128, 128, pre_rope_keys=True, hadamard="values", residual_dtype="float16"),
-                recommended=True),
+    QuantConfig("int2-r32-prerope-hadv-res16", "combination",
+                _kivi("int2", 32, pre_rope_keys=True, hadamard="values", residual_dtype="float16")),
+    QuantConfig("int2-g16-r32-hadkv-res16", "combination",
+                _kivi("int2", 32, 16, hadamard="both", residual_dtype="float16")),
 )
 
 
