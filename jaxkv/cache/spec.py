@@ -349,8 +349,9 @@ class LayerSpecs:
         A boosted layer keeps ``base``'s sinks, window, positions, group size and residual;
         its keys and values are both ``mode`` (``k_quantize``/``v_quantize`` cleared), and a
         float ``mode`` stores its sinks and window in that mode (``residual_dtype`` back to
-        float32, the only one a float cache takes). A model's local sliding-window layers
-        still get their window from :meth:`jaxkv.LlamaConfig.cache_spec`.
+        float32, the only one a float cache takes; on a StreamingLLM base such a layer keeps
+        the last W tokens, without the up to R of a KIVI residual). A model's local
+        sliding-window layers still get their window from :meth:`jaxkv.LlamaConfig.cache_spec`.
 
         Args:
           base: the spec of the other layers. n_layers: L, the model's layer count.
