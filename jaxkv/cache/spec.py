@@ -365,6 +365,9 @@ class LayerSpecs:
           JaxkvError: ``base`` not a CacheSpec, a bad ``n_layers``, no layers, an index that is
             not an integer in ``[0, L)`` or given twice (named, with L), a ``mode`` outside
             the six or one that would not raise the precision (named with ``base``'s modes).
+
+        Source: KVTuner (Li et al. 2025, arXiv 2502.04420): layers differ in how much KV
+        quantisation costs them, so a per-layer precision beats one precision for all.
         """
         layers_name, mode_name = names
         if not isinstance(base, CacheSpec):

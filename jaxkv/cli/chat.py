@@ -8,8 +8,8 @@ import os
 import sys
 
 from jaxkv.cache.spec import CacheSpec
-from jaxkv.cli.flags import (add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, boosted_spec,
-                             cache_spec_from_args, kivi_flags, sampler_from_args)
+from jaxkv.cli.flags import (BOOST_MODE, add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag,
+                             boosted_spec, cache_spec_from_args, kivi_flags, sampler_from_args)
 from jaxkv.decode import Sampler
 from jaxkv.decode.chat import ChatSession, default_cache_spec
 from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int
@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
         ("streaming_llm_sink", "4"), ("streaming_llm_window", "what fills min(1024, the model's trained context) with the sinks"),
         ("positions", "cache"), ("kv_quantize", "fp32"), ("kv_group_size", str(CacheSpec.group_size)),
         ("kv_residual", str(CacheSpec.residual)), ("max_len", "none, a StreamingLLM cache"), ("kv_boost_layers", "none"),
-        ("kv_boost_quantize", "int8"))})
+        ("kv_boost_quantize", BOOST_MODE))})
     c.set_defaults(func=run, streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize=None,
                    kv_group_size=None, kv_residual=None, positions=None)  # None = not given (chat picks defaults)
 

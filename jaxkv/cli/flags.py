@@ -59,6 +59,10 @@ def sampler_from_args(args, *, temperature: float | None = None, warn_greedy: bo
     return sampler
 
 
+BOOST_MODE = "int8"
+"""The storage of ``--kv-boost-layers`` when ``--kv-boost-quantize`` is left out."""
+
+
 def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str] | None = None) -> None:
     """The cache flags shared by every subcommand (names of the prior Swift implementation).
 
@@ -99,9 +103,6 @@ def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str]
                    help="keys' and values' storage of the --kv-boost-layers: fp32|fp16|bf16|int8|int4|int2 "
                         f"{default('kv_boost_quantize', BOOST_MODE)}")
 
-
-BOOST_MODE = "int8"
-"""The storage of ``--kv-boost-layers`` when ``--kv-boost-quantize`` is left out."""
 
 # CacheSpec field -> its flag (the args attribute is the flag's name with underscores); and the batch
 CACHE_FLAGS = {"max_len": "--max-len", "sink": "--streaming-llm-sink", "window": "--streaming-llm-window",

@@ -91,7 +91,8 @@ def model_cache_spec(config, spec: CacheSpec | LayerSpecs) -> CacheSpec | LayerS
 
 def _model_cache(config, spec: CacheSpec | LayerSpecs, batch: int):
     """The (per-layer) spec and the sizes of a model's cache of ``batch`` rows."""
-    return model_cache_spec(config, spec), dict(batch=batch, n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim)
+    sizes = dict(batch=batch, n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim)
+    return model_cache_spec(config, spec), sizes
 
 
 def full_cache_len(n_tokens: int, step: int = 256) -> int:
