@@ -382,3 +382,67 @@ class LayerSpecs:
     def describe(self) -> str:
         return "; ".join(f"layers {a}-{b - 1}: {s.describe()}" if b - a > 1 else f"layer {a}: {s.describe()}"
                          for s, a, b in self.runs)
+
+    @classmethod
+    def boosted(cls, base: CacheSpec, n_layers: int, layers, mode: str = "int8", *,
+                names: tuple[str, str] = ("LayerSpecs.boosted: layers", "LayerSpecs.boosted: mode")) -> "LayerSpecs":
+        """``base`` on every layer but ``layers``, whose keys and values are stored in ``mode``:
+        more bits for the few layers a low-bit cache hurts most (see
+        :func:`jaxkv.eval.layer_sensitivity`, which finds them).
+
+        A boosted layer keeps ``base``'s sinks, window, positions, group size and residual;
+        its keys and values are both ``mode`` (``k_quantize``/``v_quantize`` cleared), and a
+        float ``mode`` stores its sinks and window in that mode (``residual_dtype`` back to
+        float32, the only one a float cache takes, and no Hadamard rotation; on a StreamingLLM base such a layer keeps
+        the last W tokens, without the up to R of a KIVI residual). A model's local
+        sliding-window layers still get their window from :meth:`jaxkv.LlamaConfig.cache_spec`.
+
+        Args:
+          base: the spec of the other layers. n_layers: L, the model's layer count.
+          layers: layer indices in ``[0, L)``, each once, in any order (e.g. ``(0, 1, 29)``).
+          mode: the boosted layers' storage, fp32|fp16|bf16|int8|int4|int2; it must store at
+            least as many bits per element as each side of ``base`` and more than one of them.
+          names: what the messages call ``layers`` and ``mode`` (the CLI passes its flags).
+        Returns:
+          ``LayerSpecs`` of L specs.
+        Raises:
+          JaxkvError: ``base`` not a CacheSpec, a bad ``n_layers``, no layers, an index that is
+            not an integer in ``[0, L)`` or given twice (named, with L), a ``mode`` outside
+            the six or one that would not raise the precision (named with ``base``'s modes).
+
+        Source: KVTuner (Li et al. 2025, arXiv 2502.04420): layers differ in how much KV
+        quantisation costs them, so a per-layer precision beats one precision for all.
+        """
+        layers_name, mode_name = names
+        if not isinstance(base, CacheSpec):
+            raise JaxkvError(f"LayerSpecs.boosted: base={base!r}: expected a CacheSpec")
+        if int_problem(n_layers, 1) is not None:
+            raise JaxkvError(f"LayerSpecs.boosted: n_layers={n_layers!r}: {int_problem(n_layers, 1)}")
+        if not isinstance(mode, str) or mode not in KV_MODES:
+            raise JaxkvError(f"{mode_name} {mode if isinstance(mode, str) else repr(mode)}: expected one of "
+                             f"{', '.join(KV_MODES)}")
+        shown = ",".join(map(str, layers)) if isinstance(layers, (tuple, list)) else repr(layers)
+        if not isinstance(layers, (tuple, list)) or not layers:
+            raise JaxkvError(f"{layers_name} {shown}: expected one or more layer indices in [0, {n_layers})")
+        for i, layer in enumerate(layers):
+            if int_problem(layer, 0, n_layers) is not None:
+                raise JaxkvError(f"{layers_name} {shown}: layer {layer!r} is out of range: the model has "
+                                 f"{n_layers} layers (0-{n_layers - 1})")
+            if layer in layers[:i]:
+                raise JaxkvError(f"{layers_name} {shown}: layer {layer} is given twice")
+
+        def bits(m: str) -> int:
+            return BITS[m] if m in BITS else 8 * np.dtype(FLOAT_DTYPES[m]).itemsize
+
+        if any(bits(mode) < bits(m) for m in base.kv_modes) or all(bits(mode) == bits(m) for m in base.kv_modes):
+            k, v = base.kv_modes
+            sides = f"{k} keys and values" if k == v else f"{k} keys and {v} values"
+            raise JaxkvError(f"{mode_name} {mode} does not raise the precision of the cache's {sides} (nothing "
+                             "to boost): boost an int8, int4 or int2 cache to a mode of more bits per element "
+                             "(int2 < int4 < int8 < fp16 = bf16 < fp32)")
+        quantized = mode in QUANT_MODES  # a float mode: float32 sinks/window of its own mode, nothing rotated
+        boost = dataclasses.replace(base, kv_quantize=mode, k_quantize=None, v_quantize=None,
+                                    residual_dtype=base.residual_dtype if quantized else "float32",
+                                    hadamard=base.hadamard if quantized else "none")
+        chosen = {int(layer) for layer in layers}
+        return cls(tuple(boost if i in chosen else base for i in range(n_layers)))

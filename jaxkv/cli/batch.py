@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, cache_spec_from_args, sampler_from_args
+from jaxkv.cli.flags import (add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, boosted_spec,
+                             cache_spec_from_args, sampler_from_args)
 from jaxkv.decode import parallel
 from jaxkv.decode.batch import run_file
 from jaxkv.errors import JaxkvError, check_int
@@ -42,15 +43,18 @@ def run(args) -> None:
         check_int(flag, value, 1)
     if args.shard is not None and args.shard not in parallel.SHARD_MODES:
         raise JaxkvError(f"--shard {args.shard!r}: expected one of {', '.join(parallel.SHARD_MODES)}")
-    fixed = cache_spec_from_args(args, 1)  # validates the cache flags
+    fixed = boosted_spec(args, cache_spec_from_args(args, 1))  # validates the cache flags
     if not os.path.isfile(args.input):
         raise JaxkvError(f"{args.input}: no such input file")
     check_writable(args.output, "--output", not_same_as=args.input)  # before the model loads, not after the work
     if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
         parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-    # a full cache without --max-len is sized per batch (the largest prompt + budget of its rows, rounded up)
-    cache = (lambda need: cache_spec_from_args(args, need)) if args.streaming_llm_window is None and args.max_len is None else fixed
     model = load_model(args.model, tokenizer=args.tokenizer)
+    n_layers = model.config.n_layers
+    fixed = boosted_spec(args, fixed, n_layers)
+    # a full cache without --max-len is sized per batch (the largest prompt + budget of its rows, rounded up)
+    cache = ((lambda need: boosted_spec(args, cache_spec_from_args(args, need), n_layers))
+             if args.streaming_llm_window is None and args.max_len is None else fixed)
     mesh = parallel.mesh_for(model.config.n_kv_heads, args.shard) if args.shard else None
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if parallel.is_lead() else (lambda msg: None)
     say(f"[jaxkv batch: {model.config.name}; cache {fixed.describe() if cache is fixed else 'full, sized per batch'}; "

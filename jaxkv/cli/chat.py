@@ -8,8 +8,8 @@ import os
 import sys
 
 from jaxkv.cache.spec import CacheSpec
-from jaxkv.cli.flags import (add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, cache_spec_from_args,
-                             kivi_flags, sampler_from_args)
+from jaxkv.cli.flags import (BOOST_MODE, add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag,
+                             boosted_spec, cache_spec_from_args, kivi_flags, sampler_from_args)
 from jaxkv.decode import Sampler
 from jaxkv.decode.chat import ChatSession, default_cache_spec
 from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int
@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
     add_cache_flags(c, defaults={dest: f"{shown}, or the resumed file's" for dest, shown in (
         ("streaming_llm_sink", "4"), ("streaming_llm_window", "what fills min(1024, the model's trained context) with the sinks"),
         ("positions", "cache"), ("kv_quantize", "fp32"), ("kv_group_size", str(CacheSpec.group_size)),
-        ("kv_residual", str(CacheSpec.residual)), ("max_len", "none, a StreamingLLM cache"))})
+        ("kv_residual", str(CacheSpec.residual)), ("max_len", "none, a StreamingLLM cache"), ("kv_boost_layers", "none"),
+        ("kv_boost_quantize", BOOST_MODE))})
     c.set_defaults(func=run, streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize=None,
                    kv_group_size=None, kv_residual=None, positions=None)  # None = not given (chat picks defaults)
 
@@ -137,7 +138,8 @@ def run(args) -> None:
     flags = dict(streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize="fp32",
                  kv_group_size=None, kv_residual=None, positions="cache",  # None: resolved by kivi_flags
                  kv_quantize_k=None, kv_quantize_v=None, kv_residual_dtype=None,  # None: CacheSpec's
-                 kv_pre_rope=None, kv_hadamard=None)
+                 kv_pre_rope=None, kv_hadamard=None,
+                 kv_boost_layers=None, kv_boost_quantize=None)  # None: boosted_spec's
     given = {k for k in flags if getattr(args, k) is not None}
     ns = copy.copy(args)
     for k, default in flags.items():
@@ -162,6 +164,8 @@ def run(args) -> None:
                                   residual=residual, positions=ns.positions, k_quantize=ns.kv_quantize_k,
                                   v_quantize=ns.kv_quantize_v, residual_dtype=ns.kv_residual_dtype or "float32",
                                   pre_rope_keys=bool(ns.kv_pre_rope), hadamard=ns.kv_hadamard or "none")
+    if spec is not None:
+        spec = boosted_spec(ns, spec, model.config.n_layers)
     path = args.cache_file
     if path and os.path.exists(path):
         session = ChatSession.load(path, model, cache=spec, sampler=sampler, seed=args.seed,

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import sys
 
-from jaxkv.cache.spec import QUANT_MODES, CacheSpec
+from jaxkv.cache.spec import QUANT_MODES, CacheSpec, LayerSpecs
 from jaxkv.decode import Sampler, full_cache_len
 from jaxkv.decode.sampler import SEED_LIMIT
 from jaxkv.errors import CacheSpecError, FieldNames, JaxkvError, check_int
@@ -60,6 +60,10 @@ def sampler_from_args(args, *, temperature: float | None = None, warn_greedy: bo
     return sampler
 
 
+BOOST_MODE = "int8"
+"""The storage of ``--kv-boost-layers`` when ``--kv-boost-quantize`` is left out."""
+
+
 def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str] | None = None) -> None:
     """The cache flags shared by every subcommand (names of the prior Swift implementation).
 
@@ -98,6 +102,13 @@ def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str]
                    help=f"KIVI full-precision recent tokens, a multiple of G {default('kv_residual', str(CacheSpec.residual))}")
     g.add_argument("--max-len", type=int, default=None, metavar="N",
                    help=f"slots of a full cache {default('max_len', 'what the run needs, rounded up to a multiple of 256')}")
+    g.add_argument("--kv-boost-layers", default=None, metavar="L,L,...",
+                   help="store these layers (0-based, comma-separated, e.g. 0,1,29) in --kv-boost-quantize, the others as "
+                        "the flags above say: more bits for the layers a low-bit cache hurts most (jaxkv ppl --kv-sensitivity "
+                        f"finds them) {default('kv_boost_layers', 'none')}")
+    g.add_argument("--kv-boost-quantize", default=None, metavar="MODE",
+                   help="keys' and values' storage of the --kv-boost-layers: fp32|fp16|bf16|int8|int4|int2 "
+                        f"{default('kv_boost_quantize', BOOST_MODE)}")
 
 
 # CacheSpec field -> its flag (the args attribute is the flag's name with underscores); and the batch
@@ -263,3 +274,55 @@ def spec_flags(spec: CacheSpec, *, shape: bool = True) -> tuple[list[str], dict]
         else:
             flags += [CACHE_FLAGS[field.name]] + ([] if value is True else [str(value)])
     return flags, unflagged
+
+
+def _boost_layers(args) -> tuple[int, ...] | None:
+    """The layer indices of ``--kv-boost-layers`` (None: not given), in the order given.
+
+    Raises:
+      JaxkvError: a list that is not comma-separated integers >= 0.
+    """
+    if args.kv_boost_layers is None:
+        return None
+    items = [item.strip() for item in args.kv_boost_layers.split(",")]
+    if not all(item.isdigit() and item.isascii() for item in items):
+        raise JaxkvError(f"--kv-boost-layers {args.kv_boost_layers}: expected comma-separated layer indices, "
+                         "integers >= 0 (e.g. 0,1,29)")
+    return tuple(int(item) for item in items)
+
+
+def boosted_spec(args, spec: CacheSpec, n_layers: int | None = None) -> CacheSpec | LayerSpecs:
+    """``spec`` with the ``--kv-boost-layers`` stored in ``--kv-boost-quantize``
+    (:meth:`LayerSpecs.boosted`), or ``spec`` itself without them.
+
+    The layers need the model's layer count ``n_layers``: call it where the model is known.
+    With ``n_layers=None`` (before the model is loaded) every flag is checked but the range.
+
+    Raises:
+      JaxkvError: ``--kv-boost-quantize`` without ``--kv-boost-layers``, a bad list, an index
+        ``>= n_layers`` (naming the flag and the model's layer count), a mode outside the six or
+        one that does not raise the precision of ``spec`` (e.g. any boost of an fp32 cache).
+    """
+    layers = _boost_layers(args)
+    if layers is None:
+        if args.kv_boost_quantize is not None:
+            raise JaxkvError(f"--kv-boost-quantize {args.kv_boost_quantize} needs --kv-boost-layers L,L,... "
+                             "(the layers to store in it)")
+        return spec
+    names = ("--kv-boost-layers", f"--kv-boost-layers {args.kv_boost_layers} with --kv-boost-quantize")
+    # before the model is known, every index is taken as in range (the count is checked once it is)
+    boosted = LayerSpecs.boosted(spec, max(layers) + 1 if n_layers is None else n_layers, layers,
+                                 args.kv_boost_quantize or BOOST_MODE, names=names)
+    return spec if n_layers is None else boosted
+
+
+def boost_mode_for(args, spec: CacheSpec, what: str) -> str:
+    """``--kv-boost-quantize`` (:data:`BOOST_MODE` when left out) for the boosts ``what`` (a flag)
+    asks for, checked against ``spec`` as :meth:`LayerSpecs.boosted` checks it.
+
+    Raises:
+      JaxkvError: a mode outside the six, or one that does not raise the precision of ``spec``.
+    """
+    mode = args.kv_boost_quantize or BOOST_MODE
+    LayerSpecs.boosted(spec, 1, (0,), mode, names=(what, f"{what} with --kv-boost-quantize"))
+    return mode

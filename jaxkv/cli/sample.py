@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, cache_spec_from_args, sampler_from_args
+from jaxkv.cli.flags import (add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, boosted_spec,
+                             cache_spec_from_args, sampler_from_args)
 from jaxkv.decode import encode_prompt, sample
 from jaxkv.decode.prompt import prompt_text, stop_strings
 from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int
@@ -72,7 +73,7 @@ def run(args) -> int:
     prompt = read_prompt(args)
     model = load_model(args.model, tokenizer=args.tokenizer)
     prompt_ids = encode_prompt(model.tokenizer, prompt, chat=args.chat)
-    spec = cache_spec_from_args(args, len(prompt_ids), args.tokens)
+    spec = boosted_spec(args, cache_spec_from_args(args, len(prompt_ids), args.tokens), model.config.n_layers)
     if args.verbose:
         print(f"[jaxkv sample: {model.config.name}; prompt {len(prompt_ids)} tokens; cache {spec.describe()}; {sampler}]",
               file=sys.stderr, flush=True)

@@ -35,7 +35,7 @@ from typing import Any
 
 from jaxkv.cache import kv
 from jaxkv.cache.memory import format_bytes
-from jaxkv.cache.spec import CacheSpec
+from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.decode import parallel
 from jaxkv.decode.loop import full_cache_len, new_cache, new_cache_bytes, prefill_and_decode, to_host
 from jaxkv.decode.prompt import check_token_ids, encode_prompt, reply_text
@@ -45,7 +45,7 @@ from jaxkv.files import atomic_write, check_writable
 from jaxkv.io import LoadedModel
 
 POSITION_LIMIT = 2**31  # positions are int32: a row's prompt + budget stays below this
-CacheChoice = CacheSpec | Callable[[int], CacheSpec] | None
+CacheChoice = CacheSpec | LayerSpecs | Callable[[int], CacheSpec | LayerSpecs] | None
 
 
 # ---- input -------------------------------------------------------------------------------------
@@ -247,12 +247,12 @@ def padded_batch_size(n_rows: int, batch_size: int, multiple: int = 1) -> int:
     return multiple * -(-b // multiple)
 
 
-def resolve_cache(cache: CacheChoice, need: int) -> CacheSpec:
+def resolve_cache(cache: CacheChoice, need: int) -> CacheSpec | LayerSpecs:
     """The batch's spec: ``cache`` itself, ``cache(need)``, or a full fp32 cache of
     ``full_cache_len(need)`` slots when None (``need`` = the largest prompt + budget of its rows)."""
     if cache is None:
         return CacheSpec(max_len=full_cache_len(need))
-    if isinstance(cache, CacheSpec):
+    if isinstance(cache, (CacheSpec, LayerSpecs)):
         return cache
     return cache(need)
 
@@ -286,7 +286,7 @@ class _RowLimits:
         if p + n >= POSITION_LIMIT:
             raise JaxkvError(f"max_new_tokens={n} after a prompt of {p} tokens passes the last int32 position "
                              f"2**31 - 1: at most max_new_tokens={POSITION_LIMIT - 1 - p}")
-        if isinstance(self.cache, CacheSpec):  # fixed: its size does not depend on the row
+        if isinstance(self.cache, (CacheSpec, LayerSpecs)):  # fixed: its size does not depend on the row
             if self.cache.token_limit is not None and p > self.cache.token_limit:
                 raise CacheFullError(f"prompt of {p} tokens does not fit a full cache of max_len={self.cache.token_limit}")
             return
@@ -329,9 +329,9 @@ def run_rows(
       model: a :class:`LoadedModel` (its tokenizer is not used).
       rows: :class:`Row` s (non-empty ids inside the vocabulary, budgets >= 1).
       batch_size: B, rows per compiled call (>= 1).
-      cache: a :class:`CacheSpec` for every batch, a function from the tokens a batch needs
-        (the largest prompt + budget of its rows) to a spec, or None for a full fp32 cache of
-        ``full_cache_len`` of that.
+      cache: a :class:`CacheSpec` (or :class:`LayerSpecs`) for every batch, a function from the
+        tokens a batch needs (the largest prompt + budget of its rows) to a spec, or None for a
+        full fp32 cache of ``full_cache_len`` of that.
       top_k, top_p: sampler settings shared by all rows (temperatures are per row).
       block: decode steps per compiled call. eos_id: stop token (None = never stop on one).
       mesh: a :func:`jaxkv.decode.parallel.make_mesh` mesh to shard over, or None (one device).

@@ -64,8 +64,8 @@ from flax import nnx
 from jaxkv.cache.checkpoint import load_cache, save_cache
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.memory import format_bytes, memory_report
-from jaxkv.cache.spec import CacheSpec
-from jaxkv.decode.loop import FINISH_REASONS, new_cache, prefill_and_decode
+from jaxkv.cache.spec import CacheSpec, LayerSpecs
+from jaxkv.decode.loop import FINISH_REASONS, model_cache_spec, new_cache, prefill_and_decode
 from jaxkv.decode.prompt import check_token_ids, reply_text
 from jaxkv.decode.sampler import SEED_LIMIT, Sampler
 from jaxkv.decode.text import text_stream
@@ -144,7 +144,7 @@ class ChatStats:
     capacity: int
     cache_bytes: int
     cache_live_bytes: int
-    spec: CacheSpec
+    spec: CacheSpec | LayerSpecs
 
     def summary(self) -> str:
         """One line, e.g. ``tokens seen 812, tokens stored 64 (capacity 64), cache 80.00 KiB allocated, 80.00 KiB live``."""
@@ -160,7 +160,8 @@ class ChatSession:
 
     Args:
       model: a :class:`LoadedModel` whose tokenizer has a chat template (or pass ``chat_template``).
-      cache: the cache spec; None = :func:`default_cache_spec` (StreamingLLM, never runs out).
+      cache: the cache spec, or :class:`~jaxkv.LayerSpecs` (one per layer, e.g. boosted layers);
+        None = :func:`default_cache_spec` (StreamingLLM, never runs out).
       sampler: the next-token rule (default greedy). seed: PRNG seed; the PRNG stream
         continues across turns (and across save/load).
       max_new_tokens: most tokens per reply (>= 1).
@@ -180,7 +181,7 @@ class ChatSession:
     def __init__(
         self,
         model: LoadedModel,
-        cache: CacheSpec | None = None,
+        cache: CacheSpec | LayerSpecs | None = None,
         *,
         sampler: Sampler = Sampler(),
         seed: int = 0,
@@ -208,8 +209,8 @@ class ChatSession:
             check_int(f"ChatSession: {name}", value, low, high)
         if system is not None and not isinstance(system, str):
             raise JaxkvError(f"ChatSession: system={system!r}, expected a string or None")
-        if cache is not None and not isinstance(cache, CacheSpec):
-            raise JaxkvError(f"ChatSession: cache must be a CacheSpec or None, got {type(cache).__name__}")
+        if cache is not None and not isinstance(cache, (CacheSpec, LayerSpecs)):
+            raise JaxkvError(f"ChatSession: cache must be a CacheSpec, LayerSpecs or None, got {type(cache).__name__}")
         self.model = model
         self.spec = cache if cache is not None else default_cache_spec(model.config)
         self.sampler, self.seed, self.max_new_tokens = sampler, seed, max_new_tokens
@@ -365,7 +366,7 @@ class ChatSession:
         path: str | os.PathLike,
         model: LoadedModel,
         *,
-        cache: CacheSpec | None = None,
+        cache: CacheSpec | LayerSpecs | None = None,
         sampler: Sampler | None = None,
         seed: int | None = None,
         max_new_tokens: int | None = None,
@@ -375,7 +376,8 @@ class ChatSession:
         """Resume a session written by :meth:`save`, with the model it was written for.
 
         Args:
-          cache: the spec the caller expects (refused if the file's differs); None = the file's.
+          cache: the spec the caller expects (refused if the file's differs from the cache the
+            model makes of it, :func:`~jaxkv.decode.loop.model_cache_spec`); None = the file's.
           sampler, seed, max_new_tokens: None = those saved (the PRNG stream continues where it stopped).
           chat_template: as in the constructor (must be the one the file was written with).
         Raises:
@@ -389,13 +391,13 @@ class ChatSession:
         def corrupt(problem: str) -> JaxkvError:
             return JaxkvError(f"{path}: corrupt jaxkv chat file ({problem})")
 
-        def session_for(spec: CacheSpec, meta: dict) -> KVCache:
+        def session_for(spec: CacheSpec | LayerSpecs, meta: dict) -> KVCache:
             try:
                 identity = _json_object(meta, "model")
                 state = _checked_state(_json_object(meta, "state"))
             except ValueError as e:
                 raise corrupt(str(e)) from None
-            if cache is not None and cache != spec:
+            if cache is not None and model_cache_spec(model.config, cache) != spec:
                 raise JaxkvError(
                     f"{path} holds a cache for another cache spec ({spec.describe()}), not the one asked for "
                     f"({cache.describe()}): pass the same cache flags, or delete the file to start over"

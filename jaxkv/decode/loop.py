@@ -33,7 +33,7 @@ from jax import lax
 
 from jaxkv.cache.kv import KVCache, cache_bytes
 from jaxkv.cache.memory import element_bits
-from jaxkv.cache.spec import CacheSpec
+from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.decode import parallel
 from jaxkv.decode.sampler import Sampler, prng_keys
 from jaxkv.errors import CacheFullError
@@ -45,7 +45,7 @@ _RUNNING, _EOS, _LENGTH, _CACHE_FULL = range(4)
 
 
 # ---- the cache a model needs ---------------------------------------------------------------------
-def new_cache(config, spec: CacheSpec, batch: int, *, mesh=None) -> KVCache:
+def new_cache(config, spec: CacheSpec | LayerSpecs, batch: int, *, mesh=None) -> KVCache:
     """An empty cache of ``batch`` rows for a model's ``config`` (layers L, KV heads K, head dim H).
 
     A model with local sliding-window layers (Mistral, Gemma 2/3, Phi-3) gets the per-layer
@@ -55,7 +55,7 @@ def new_cache(config, spec: CacheSpec, batch: int, *, mesh=None) -> KVCache:
     Args:
       config: the model's config (a :class:`~jaxkv.LlamaConfig`: ``n_layers``, ``n_kv_heads``,
         ``head_dim``; ``cache_spec`` when it has one).
-      spec: the cache spec. batch: B rows.
+      spec: the cache spec (or :class:`~jaxkv.LayerSpecs`, one per layer). batch: B rows.
       mesh: a :func:`jaxkv.decode.parallel.make_mesh` mesh: the cache is born sharded on it (None = one device).
     Raises:
       JaxkvError: a spec the shapes do not fit, or B / K that do not split over the mesh.
@@ -66,14 +66,14 @@ def new_cache(config, spec: CacheSpec, batch: int, *, mesh=None) -> KVCache:
     return KVCache.create(spec, **sizes)
 
 
-def new_cache_bytes(config, spec: CacheSpec, batch: int) -> int:
+def new_cache_bytes(config, spec: CacheSpec | LayerSpecs, batch: int) -> int:
     """Bytes :func:`new_cache` would allocate (every leaf; counted from shapes, nothing allocated,
     the memory not checked). Raises: JaxkvError: as :func:`new_cache`."""
     spec, sizes = _model_cache(config, spec, batch)
     return cache_bytes(spec, **sizes)
 
 
-def new_cache_bits(config, spec: CacheSpec) -> tuple[float | None, float]:
+def new_cache_bits(config, spec: CacheSpec | LayerSpecs) -> tuple[float | None, float]:
     """Effective bits per K/V element of the cache :func:`new_cache` would make: ``(bits in
     the quantised store or None, bits of the whole cache)``, as
     :func:`jaxkv.cache.memory.element_bits` counts them (from shapes, nothing allocated).
@@ -82,11 +82,17 @@ def new_cache_bits(config, spec: CacheSpec) -> tuple[float | None, float]:
     return element_bits(jax.eval_shape(lambda: KVCache._empty(spec, **sizes)))
 
 
-def _model_cache(config, spec: CacheSpec, batch: int):
+def model_cache_spec(config, spec: CacheSpec | LayerSpecs) -> CacheSpec | LayerSpecs:
+    """The spec of the cache :func:`new_cache` makes for a model's ``config`` from ``spec``: its
+    local sliding-window layers' windows applied (:meth:`~jaxkv.LlamaConfig.cache_spec`); the
+    spec a saved cache of it holds. Raises: JaxkvError: as :func:`new_cache`."""
+    return config.cache_spec(spec) if hasattr(config, "cache_spec") else spec
+
+
+def _model_cache(config, spec: CacheSpec | LayerSpecs, batch: int):
     """The (per-layer) spec and the sizes of a model's cache of ``batch`` rows."""
-    if hasattr(config, "cache_spec"):
-        spec = config.cache_spec(spec)
-    return spec, dict(batch=batch, n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim)
+    sizes = dict(batch=batch, n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim)
+    return model_cache_spec(config, spec), sizes
 
 
 def full_cache_len(n_tokens: int, step: int = 256) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxkv.cache.memory import MemoryReport, memory_report
-from jaxkv.cache.spec import CacheSpec
+from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.decode.loop import BatchGeneration, full_cache_len, new_cache, prefill_and_decode
 from jaxkv.decode.prompt import check_token_ids, encode_prompt, reply_text, stop_strings
 from jaxkv.decode.sampler import SEED_LIMIT, Sampler
@@ -49,7 +49,7 @@ class Generation:
     decode_tokens_per_s: float
     compile_s: float
     memory: MemoryReport
-    spec: CacheSpec
+    spec: CacheSpec | LayerSpecs
     seed: int | None = None
 
     def report(self) -> str:
@@ -71,7 +71,7 @@ def generate(
     max_new_tokens: int | Sequence[int],
     sampler: Sampler = Sampler(),
     seed: int | Sequence[int] = 0,
-    cache: CacheSpec | None = None,
+    cache: CacheSpec | LayerSpecs | None = None,
     block: int = 32,
     eos_id: int | None = None,
     ignore_eos: bool = False,
@@ -87,8 +87,8 @@ def generate(
       prompts: B non-empty lists of token ids.
       max_new_tokens: tokens to generate per row (one int for all rows, or B ints), >= 1.
       sampler: the next-token rule; seed: PRNG seed (rows draw from split keys), or B seeds (one per row).
-      cache: the cache spec; None = a full fp32 cache of ``longest prompt + max_new_tokens``
-        slots rounded up to a multiple of 256 (:func:`full_cache_len`).
+      cache: the cache spec (or :class:`LayerSpecs`); None = a full fp32 cache of ``longest
+        prompt + max_new_tokens`` slots rounded up to a multiple of 256 (:func:`full_cache_len`).
       block: decode steps per compiled call (host sees tokens once per block).
       eos_id: stop a row at this token (None = the tokenizer's EOS). ignore_eos: stop at no
         token (every row runs its budget, unless a full cache stops it).
@@ -129,7 +129,7 @@ def sample(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = 0,
-    cache: CacheSpec | None = None,
+    cache: CacheSpec | LayerSpecs | None = None,
     chat: bool = False,
     tokenizer: str | None = None,
     block: int = 32,
@@ -149,8 +149,8 @@ def sample(
       temperature, top_k, top_p: see :class:`Sampler`.
       seed: PRNG seed in ``[0, 2**32)``; None = a fresh random one (when sampling), reported
         in :attr:`Generation.seed`.
-      cache: a :class:`CacheSpec`; None = a full fp32 cache of ``prompt + max_new_tokens`` slots,
-        rounded up to a multiple of 256.
+      cache: a :class:`CacheSpec` (or :class:`LayerSpecs`); None = a full fp32 cache of
+        ``prompt + max_new_tokens`` slots, rounded up to a multiple of 256.
       chat: wrap ``prompt`` in the model's chat template (as one user message).
       tokenizer: a tokenizer file overriding the model's (only with a path).
       block: tokens per compiled decode call (the granularity of ``on_text``, and of stopping

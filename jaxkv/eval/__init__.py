@@ -1,5 +1,6 @@
 """Evaluation: what a KV cache costs in quality (streaming perplexity and its baselines,
-fake-quantised K/V, greedy agreement) and in memory (bytes of the cache's pytree leaves)."""
+fake-quantised K/V, greedy agreement, per-layer sensitivity) and in memory (bytes of the
+cache's pytree leaves)."""
 
 from jaxkv.eval.fake_quant import FakeQuantKV
 from jaxkv.eval.perplexity import (
@@ -10,6 +11,7 @@ from jaxkv.eval.perplexity import (
     teacher_forced_nll,
     token_nll,
 )
+from jaxkv.eval.sensitivity import Boost, LayerSensitivity, layer_sensitivity
 from jaxkv.eval.tables import (
     allocated_report,
     filled_report,
@@ -22,11 +24,14 @@ from jaxkv.eval.tables import (
 )
 
 __all__ = [
+    "Boost",
     "FakeQuantKV",
+    "LayerSensitivity",
     "allocated_report",
     "filled_report",
     "greedy_markdown",
     "greedy_match",
+    "layer_sensitivity",
     "memory_markdown",
     "memory_rows",
     "memory_spec",

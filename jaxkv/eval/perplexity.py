@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxkv.cache.spec import CacheSpec
+from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.decode import check_token_ids, chunk_len, count_compiles, new_cache, plan_chunks
 from jaxkv.errors import CacheFullError, JaxkvError, check_int
 from jaxkv.files import atomic_write
@@ -112,7 +112,7 @@ def token_nll(
     model: LoadedModel,
     tokens: Sequence[int],
     *,
-    cache: CacheSpec | None = None,
+    cache: CacheSpec | LayerSpecs | None = None,
     chunk: int = 128,
     progress: bool = False,
     start: int = 0,
@@ -130,7 +130,8 @@ def token_nll(
     Args:
       model: a :class:`~jaxkv.io.LoadedModel` (only ``model.model`` and ``model.config`` are used).
       tokens: N int token ids, N >= 2 (usually starting with BOS).
-      cache: the cache to evaluate; None = a full fp32 cache of ``max_len = N`` slots.
+      cache: the cache to evaluate (or :class:`~jaxkv.LayerSpecs`, one per layer); None = a full
+        fp32 cache of ``max_len = N`` slots.
       chunk: tokens per compiled call (capped at ``cache.max_chunk``, rounded to a power of
         two when the text is shorter); it changes speed, not results (beyond float32
         summation order, ~1e-6 nats).

@@ -189,20 +189,28 @@ class LlamaConfig:
             return self.local_rope
         return self.rope if self.rope is not None else Rope.default(self.rope_theta, self.head_dim)
 
-    def cache_spec(self, spec: CacheSpec) -> CacheSpec | LayerSpecs:
+    def cache_spec(self, spec: CacheSpec | LayerSpecs) -> CacheSpec | LayerSpecs:
         """The cache this model needs for the user's ``spec``: ``spec`` itself when every layer
         is global; else :class:`~jaxkv.cache.spec.LayerSpecs` where each local layer keeps
         its own window (:meth:`CacheSpec.local`, with the user's storage) and the global
-        layers keep what ``spec`` says.
+        layers keep what ``spec`` says. Per-layer specs (e.g.
+        :meth:`~jaxkv.cache.spec.LayerSpecs.boosted`) stay per layer: each local layer gets
+        the ``local`` of its own spec. Applying it twice changes nothing.
 
         Raises:
-          JaxkvError: a storage the local window cannot hold (see :meth:`CacheSpec.local`).
+          JaxkvError: a storage the local window cannot hold (see :meth:`CacheSpec.local`), or
+            per-layer specs of another layer count than ``n_layers``.
         """
-        if isinstance(spec, LayerSpecs) or "sliding_attention" not in self.layer_kinds:
+        if "sliding_attention" not in self.layer_kinds:
             return spec
-        local = spec.local(self.sliding_window)
-        specs = tuple(local if kind == "sliding_attention" else spec for kind in self.layer_kinds)
-        return LayerSpecs(specs) if len(set(specs)) > 1 else specs[0]
+        per_layer = isinstance(spec, LayerSpecs)
+        if per_layer and len(spec.specs) != self.n_layers:
+            raise JaxkvError(f"LayerSpecs holds {len(spec.specs)} layer specs, but the model has n_layers={self.n_layers}")
+        given = spec.specs if per_layer else (spec,) * self.n_layers
+        kinds = self.layer_kinds
+        local = {s: s.local(self.sliding_window) for s in {g for g, kind in zip(given, kinds) if kind == "sliding_attention"}}
+        specs = tuple(local[s] if kind == "sliding_attention" else s for s, kind in zip(given, kinds))
+        return LayerSpecs(specs) if per_layer or len(set(specs)) > 1 else specs[0]
 
     @classmethod
     def from_llama2c(cls, header, *, name: str = "llama2c") -> "LlamaConfig":
