@@ -12,7 +12,7 @@ import pytest
 from paths import REPO
 
 from jaxkv.cache.memory import memory_report
-from jaxkv.cache.spec import CacheSpec
+from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.cli import build_parser
 from jaxkv.cli.flags import cache_spec_from_args
 from jaxkv.decode import new_cache
@@ -118,10 +118,10 @@ def test_selection_and_refusals(monkeypatch):
     bogus = q.QuantConfig("int2-new", "lever", dict(kv_quantize="int2", no_such_field=True))
     boost = q.QuantConfig("int2-boost", "lever", dict(kv_quantize="int2"), boost=(0, 1))
     monkeypatch.setattr(SCRIPT, "CONFIGS", (TINY_CONFIGS[0], TINY_CONFIGS[1], bogus, boost))
-    assert bogus.missing() == ["no_such_field"] and boost.missing() == ["boost"]
+    assert bogus.missing() == ["no_such_field"] and boost.missing() == []
+    assert boost.cache(3, max_len=8) == LayerSpecs.boosted(CacheSpec(max_len=8, kv_quantize="int2"), 3, (0, 1), "int8")
     chosen, skipped = SCRIPT.select(None, quick=True)
-    assert [c.name for c in chosen] == ["fp16", "int4-r8"] and skipped == {"int2-new": ["no_such_field"],
-                                                                           "int2-boost": ["boost"]}
+    assert [c.name for c in chosen] == ["fp16", "int4-r8", "int2-boost"] and skipped == {"int2-new": ["no_such_field"]}
     assert [c.name for c in SCRIPT.select("int4-r8", quick=False)[0]] == ["fp16", "int4-r8"]  # the baseline comes along
     with pytest.raises(SystemExit, match="int2-new \\(needs no_such_field\\)"):
         SCRIPT.select(None, quick=False)

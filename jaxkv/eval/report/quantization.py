@@ -87,8 +87,8 @@ class QuantConfig:
         ``{"kv_quantize": "int2", "group_size": 32, "residual": 32}``; a field this jaxkv's
         CacheSpec lacks makes the config unavailable (:meth:`missing`).
       recommended: also measure its greedy match (a candidate for a budget).
-      boost: per-layer precision (SLOT, see :func:`boosted`): the layers whose keys and values
-        are stored as ``boost_quantize``, or ready :class:`LayerSpecs`; None = every layer alike.
+      boost: per-layer precision (:func:`boosted`): the layers whose keys and values are stored
+        as ``boost_quantize``; None = every layer alike.
       boost_quantize: the boosted layers' mode.
     """
 
@@ -96,7 +96,7 @@ class QuantConfig:
     kind: str
     storage: dict
     recommended: bool = False
-    boost: tuple | LayerSpecs | None = None
+    boost: tuple | None = None
     boost_quantize: str = "int8"
 
     def __post_init__(self):
@@ -108,10 +108,9 @@ class QuantConfig:
                              "measurement's own; give only storage fields")
 
     def missing(self) -> list[str]:
-        """What this jaxkv lacks to build the config: CacheSpec fields not defined, and
-        ``boost`` while the per-layer slot (:func:`boosted`) is not wired; [] when available."""
+        """What this jaxkv lacks to build the config: CacheSpec fields not defined; [] when available."""
         fields = {f.name for f in dataclasses.fields(CacheSpec)}
-        return sorted(set(self.storage) - fields) + (["boost"] if self.boost is not None and not BOOST_WIRED else [])
+        return sorted(set(self.storage) - fields)
 
     def spec(self, **shape) -> CacheSpec:
         """The single-layer :class:`CacheSpec` of this storage in ``shape`` (``max_len=N`` or
@@ -130,26 +129,14 @@ class QuantConfig:
         return boosted(self, self.spec(**shape), n_layers)
 
 
-# ---------------------------------------------------------------------------------------------
-# SLOT: per-layer precision (issue 15's per-layer part, built by another change). Wire its
-# builder of LayerSpecs from (base spec, n_layers, boosted layers, boosted mode) into
-# `boosted`, set BOOST_WIRED = True, and the configs with a `boost` become measurable.
-BOOST_WIRED = False
-
-
 def boosted(config: QuantConfig, spec: CacheSpec, n_layers: int) -> CacheSpec | LayerSpecs:
-    """``spec`` with ``config.boost``'s layers stored as ``config.boost_quantize`` (keys and values).
-
-    Returns ``spec`` itself when ``config.boost`` is None.
+    """``spec`` with ``config.boost``'s layers stored as ``config.boost_quantize`` (keys and values,
+    :meth:`LayerSpecs.boosted`); ``spec`` itself when ``config.boost`` is None.
 
     Raises:
-      JaxkvError: a boost while the per-layer builder is not wired in (see the SLOT comment above).
+      JaxkvError: a layer index outside the model's ``n_layers`` or a mode that raises nothing.
     """
-    if config.boost is None:
-        return spec
-    raise JaxkvError(f"config {config.name!r}: per-layer boost is not wired into "
-                     "jaxkv.eval.report.quantization.boosted yet (issue 15's per-layer part)")
-# ---------------------------------------------------------------------------------------------
+    return spec if config.boost is None else LayerSpecs.boosted(spec, n_layers, config.boost, config.boost_quantize)
 
 
 def text_prompts(path: pathlib.Path, *, count: int, chars: int, skip_chars: int) -> list[str]:
