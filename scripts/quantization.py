@@ -43,6 +43,8 @@ def _k4v2(**more) -> dict:  # keys int4, values int2 (llama.cpp's -ctk q4 -ctv q
     return _kivi("int2", k_quantize="int4", **more)
 
 
+TOP2 = (18, 23)  # SmolLM2's most sensitive layers (stories260K has 5 layers: its configs boost none)
+
 CONFIGS = (
     # baselines: the float caches (ΔPPL vs the fp32 full cache)
     QuantConfig("fp16", "baseline", dict(kv_quantize="fp16")),
@@ -64,9 +66,9 @@ CONFIGS = (
     QuantConfig("int2-had-k", "lever", _kivi("int2", hadamard="keys")),
     QuantConfig("int2-had-kv", "lever", _kivi("int2", hadamard="both")),
     QuantConfig("int2-g128", "lever", _kivi("int2", 128, 128)),
-    # per-layer boost SLOT (jaxkv.eval.report.quantization.boosted): layers 0 and 1 stand in for
-    # the top 2 of the sensitivity pass on SmolLM2 (`jaxkv ppl --kv-sensitivity`); set them from it
-    QuantConfig("int2-boost2", "lever", _kivi("int2"), boost=(0, 1), boost_quantize="int8"),
+    # per-layer boost: the top 2 layers of SmolLM2's sensitivity pass on int2, G = R = 32, 1,024 tokens
+    # (`jaxkv ppl --kv-sensitivity`: 18, 23; then 17, 24), in int8
+    QuantConfig("int2-boost2", "lever", _kivi("int2"), boost=TOP2, boost_quantize="int8"),
     QuantConfig("int4-prerope", "lever", _kivi("int4", pre_rope_keys=True)),
     QuantConfig("int4-had-v", "lever", _kivi("int4", hadamard="values")),
     # combinations (recommended: the candidates for each budget). R = 32 in float16: at 2,048
@@ -78,6 +80,8 @@ CONFIGS = (
                 _k4v2(residual=32, pre_rope_keys=True, hadamard="values", residual_dtype="float16")),
     QuantConfig("int2-r32-hadkv-res16", "combination", _kivi("int2", 32, hadamard="both", residual_dtype="float16"),
                 recommended=True),
+    QuantConfig("int2-r32-hadkv-res16-boost2", "combination", _kivi("int2", 32, hadamard="both", residual_dtype="float16"),
+                boost=TOP2, boost_quantize="int4", recommended=True),
     QuantConfig("int2-r32-prerope-hadv-res16", "combination",
                 _kivi("int2", 32, pre_rope_keys=True, hadamard="values", residual_dtype="float16")),
     QuantConfig("int2-g16-r32-hadkv-res16", "combination",

@@ -124,6 +124,10 @@ class QuantConfig:
             raise JaxkvError(f"config {self.name!r}: CacheSpec has no field {', '.join(missing)} in this jaxkv")
         return CacheSpec(**shape, **self.storage)
 
+    def fits(self, n_layers: int) -> bool:
+        """False when :attr:`boost` names a layer the model does not have (that model's cells: –)."""
+        return self.boost is None or max(self.boost) < n_layers
+
     def cache(self, n_layers: int, **shape) -> CacheSpec | LayerSpecs:
         """The cache to measure: :meth:`spec`, per layer when :attr:`boost` is set (:func:`boosted`)."""
         return boosted(self, self.spec(**shape), n_layers)
@@ -176,7 +180,7 @@ def ppl_rows(model: LoadedModel, ids: Sequence[int], configs: Sequence[QuantConf
     n = len(ids)
     base = perplexity(token_nll(model, ids, cache=CacheSpec(max_len=n)))
     out = dict(tokens=n, scored=n - 1, fp32_ppl=base, configs={})
-    for c in configs:
+    for c in (c for c in configs if c.fits(model.config.n_layers)):
         spec = c.cache(model.config.n_layers, max_len=n)
         log(f"{model.config.name}: ppl, {c.name}: {spec.describe()}, {n} tokens")
         ppl = perplexity(token_nll(model, ids, cache=spec))
@@ -231,7 +235,7 @@ def prefill_rows(model: LoadedModel, configs: Sequence[QuantConfig], sizes: dict
     """
     shape = dict(sink=sizes["prefill_sink"], window=sizes["prefill_window"])
     rows = {}
-    for c in configs:
+    for c in (c for c in configs if c.fits(model.config.n_layers)):
         temp, t = bench.prefill_temp_bytes(model, c.cache(model.config.n_layers, **shape), chunk=sizes["prefill_chunk"])
         rows[c.name] = dict(temp_bytes=temp, chunk=t)
         log(f"{model.config.name}: prefill temporaries, {c.name}: {temp / 2**20:.1f} MiB (T={t})")
@@ -252,7 +256,8 @@ def measure(models: Mapping[str, LoadedModel], ids: Mapping[str, Sequence[int]],
       main: the model of the greedy match and the decode timing; prefill_model: that of the
         prefill temporaries.
       quick: a smoke run (said in the document). skipped: ``{name: missing}`` of configs left out.
-      sections: which of ppl, greedy, decode, prefill to measure (greedy only with a recommended config).
+      sections: which of ppl, greedy, decode, prefill to measure (greedy only with a recommended
+        config; decode for the baselines, literal KIVI and the recommended configs).
     Returns:
       ``{"quick", "sizes", "date", "machine", "configs": {name: {"kind", "storage", "recommended",
       "flags"}}, "skipped", "models": {name: {"n_layers", "n_kv_heads", "head_dim",
@@ -288,8 +293,9 @@ def measure(models: Mapping[str, LoadedModel], ids: Mapping[str, Sequence[int]],
                                  **greedy_rows(models[main], prompts, chosen, new_tokens=sizes["greedy_new"]))
     if "decode" in sections:
         with Timer(timings, f"{main} decode"):
+            timed = [c for c in configs if c.recommended or c.kind in ("baseline", "KIVI")]
             res["decode"] = dict(model=main, sink=sizes["decode_sink"], window=sizes["decode_window"],
-                                 **decode_rows(models[main], configs, sizes))
+                                 **decode_rows(models[main], timed, sizes))
     if "prefill" in sections:
         with Timer(timings, f"{prefill_model} prefill"):
             res["prefill"] = dict(model=prefill_model, sink=sizes["prefill_sink"], window=sizes["prefill_window"],
@@ -383,18 +389,19 @@ def table_rows(res: dict) -> tuple[list[str], list[list[str]]]:
     for name, c in res["configs"].items():
         cells = [name + (" **(rec.)**" if c["recommended"] else ""), f"`{c['flags']}`" if c["flags"] else "(defaults)"]
         for m in models:
-            r = res["ppl"][m]["configs"][name]
-            cells += [_bits_cell(r), pct(r["delta"])]
+            r = res["ppl"][m]["configs"].get(name)
+            cells += ["–", "–"] if r is None else [_bits_cell(r), pct(r["delta"])]
         if greedy:
             g = greedy["configs"].get(name)
             cells.append("–" if g is None else f"{100 * g['mean']:.0f} % ({g['exact']}/{len(g['per_prompt'])})")
         if decode:
-            d = decode["configs"][name]
-            cells.append(f"{d['ms']:.2f}" + (f" ({d['ratio']:.2f}x)" if "ratio" in d else ""))
+            d = decode["configs"].get(name)
+            cells.append("–" if d is None else f"{d['ms']:.2f}" + (f" ({d['ratio']:.2f}x)" if "ratio" in d else ""))
         if prefill:
-            p = prefill["configs"][name]
+            p = prefill["configs"].get(name)
             chunk = res["sizes"]["prefill_chunk"]
-            cells.append(f"{p['temp_bytes'] / 2**20:.1f}" + (f" (T={p['chunk']})" if p["chunk"] != chunk else ""))
+            cells.append("–" if p is None else f"{p['temp_bytes'] / 2**20:.1f}"
+                         + (f" (T={p['chunk']})" if p["chunk"] != chunk else ""))
         rows.append(cells)
     return header, rows
 
