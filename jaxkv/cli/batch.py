@@ -50,7 +50,7 @@ def run(args) -> None:
         parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     # a full cache without --max-len is sized per batch (the largest prompt + budget of its rows, rounded up)
     cache = (lambda need: cache_spec_from_args(args, need)) if args.streaming_llm_window is None and args.max_len is None else fixed
-    model = load_model(args.model, tokenizer=args.tokenizer)
+    model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
     mesh = parallel.mesh_for(model.config.n_kv_heads, args.shard) if args.shard else None
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if parallel.is_lead() else (lambda msg: None)
     say(f"[jaxkv batch: {model.config.name}; cache {fixed.describe() if cache is fixed else 'full, sized per batch'}; "
