@@ -3,7 +3,8 @@ loaders; SentencePiece, llama2.c, GGUF and ``tokenizers`` tokenizers; the archit
 registry (:mod:`jaxkv.io.registry`) that maps a file to its model family.
 
 Every loader returns float32 numpy weights in the internal layout of the file's family
-(for Llama: :mod:`jaxkv.models.llama`; Q/K already in rotate-half RoPE order).
+(for Llama: :mod:`jaxkv.models.llama`; Q/K already in rotate-half RoPE order);
+:func:`load_model` then holds them in the requested weight format (:mod:`jaxkv.models.weights`).
 """
 
 from __future__ import annotations

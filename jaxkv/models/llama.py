@@ -69,7 +69,7 @@ from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.errors import JaxkvError
 from jaxkv.models.blocks import gated_mlp, pre_norm_residual, qkv_projection, rms_norm
 from jaxkv.models.family import Family, Format
-from jaxkv.models.weights import FLOAT_FORMATS, check_weight_format, convert, dense, embed_lookup, tied_head
+from jaxkv.models.weights import FLOAT_FORMATS, HEAD_FORMATS, check_weight_format, convert, dense, embed_lookup, tied_head
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 """Hugging Face ``architectures`` that :meth:`LlamaConfig.from_hf` accepts."""
@@ -419,7 +419,8 @@ class Llama(nnx.Module):
           config, weights: the model's config and its weights (see :func:`weight_shapes`).
           dtype: parameter and activation dtype (float32 default).
           weight_format: one of :data:`jaxkv.models.weights.WEIGHT_FORMATS`: anything but
-            ``fp32`` holds the matrices (:data:`MATRICES`) in that format, float32 activations
+            ``fp32`` holds the matrices (:data:`MATRICES`) in that format (the embedding and LM
+            head in :data:`~jaxkv.models.weights.HEAD_FORMATS`'s where it names one), float32 activations
             between layers (``dtype`` must then be float32); norms and biases stay float32.
         Raises:
           JaxkvError: a missing weight or one of the wrong shape (named), an unknown
@@ -437,12 +438,13 @@ class Llama(nnx.Module):
                 raise JaxkvError(f"{config.name}: weight {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype))
         for name in shapes:
-            if weight_format == "fp32" or name not in MATRICES:
+            fmt = HEAD_FORMATS.get(weight_format, weight_format) if name in ("embed", "lm_head") else weight_format
+            if fmt == "fp32" or name not in MATRICES:
                 value = jnp.asarray(weights[name], dtype)
-            elif name == "embed" and weight_format not in FLOAT_FORMATS:  # held as the tied head [D, V]
-                value = convert(np.asarray(weights[name]).T, weight_format)
+            elif name == "embed" and fmt not in FLOAT_FORMATS:  # held as the tied head [D, V]
+                value = convert(np.asarray(weights[name]).T, fmt)
             else:
-                value = convert(weights[name], weight_format)
+                value = convert(weights[name], fmt)
             setattr(model, name, nnx.Param(value))
         return model
 
