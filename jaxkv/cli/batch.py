@@ -49,7 +49,7 @@ def run(args) -> None:
     check_writable(args.output, "--output", not_same_as=args.input)  # before the model loads, not after the work
     if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
         parallel.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-    model = load_model(args.model, tokenizer=args.tokenizer)
+    model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
     n_layers = model.config.n_layers
     fixed = boosted_spec(args, fixed, n_layers)
     # a full cache without --max-len is sized per batch (the largest prompt + budget of its rows, rounded up)

