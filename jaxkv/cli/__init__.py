@@ -12,7 +12,7 @@ import sys
 
 from jaxkv import __version__
 from jaxkv.cli import batch, bench, chat, info, ppl, sample
-from jaxkv.cli.flags import add_cache_flags, cache_spec_from_args, error_text
+from jaxkv.cli.flags import add_cache_flags, cache_spec_from_args, check_model_flags, error_text
 from jaxkv.errors import JaxkvError
 
 __all__ = ["add_cache_flags", "build_parser", "cache_spec_from_args", "main"]
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # the subcommand's usage, not the top-level one
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        check_model_flags(args)
         return args.func(args) or 0
     except JaxkvError as e:
         print(f"jaxkv: error: {error_text(e, args)}", file=sys.stderr)

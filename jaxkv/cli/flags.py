@@ -20,11 +20,23 @@ MODEL_HELP = "GGUF, llama2.c .bin or Hugging Face folder (default: $JAXKV_MODEL 
 def add_model_flags(parser: argparse.ArgumentParser, *, model_help: str = MODEL_HELP) -> None:
     """The optional positional ``model`` (a file, a folder, or the default model) and
     ``--weights`` (how its matrices are held: :data:`jaxkv.models.weights.WEIGHT_FORMATS`;
-    a bad value is refused by :func:`jaxkv.load_model` in one line)."""
+    a bad value is refused by :func:`check_model_flags` in one line, before anything loads)."""
     parser.add_argument("model", nargs="?", default=None, help=model_help)
     parser.add_argument("--weights", default="fp32", metavar="FORMAT",
                         help=f"hold the weights as {'|'.join(WEIGHT_FORMATS)} (int8/q4: blocks of 32 like GGUF Q8_0/Q4_1, "
                              "dequantised inside the step; activations stay float32) (default: %(default)s)")
+
+
+def check_model_flags(args) -> None:
+    """Refuse a ``--weights`` value outside :data:`jaxkv.models.weights.WEIGHT_FORMATS` (when the
+    subcommand has the flag), naming the flag.
+
+    Raises:
+      JaxkvError: e.g. ``--weights q3: expected one of fp32, bf16, fp16, int8, q4``.
+    """
+    weights = getattr(args, "weights", None)
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise JaxkvError(f"--weights {weights}: expected one of {', '.join(WEIGHT_FORMATS)}")
 
 
 def add_tokenizer_flag(parser: argparse.ArgumentParser) -> None:
