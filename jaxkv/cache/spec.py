@@ -218,11 +218,11 @@ class CacheSpec:
                 self._refuse("{keep} with a KIVI window ({kv_quantize}) is not supported: keep the window in "
                              "fp16/bf16/fp32 and quantise the tier with {keep_quantize:name}, e.g. int2")
         elif self.keep_score != "recent" and self.window is not None:
-            self._refuse("{keep_score} chooses the tokens of a keep tier, but {keep} is 0: pass {keep:=C} slots")
+            self._refuse("{keep_score} chooses the tokens of a keep tier, but {keep} keeps none: pass {keep:=C} slots")
         elif self.keep_score not in ("recent", "h2o"):
             self._refuse("{keep_score} on a full cache: only h2o (tracking attention scores) applies to one")
         if self.keep_quantize is not None and not self.keep:
-            self._refuse("{keep_quantize} is the keep tier's storage, but {keep} is 0: pass {keep:=C} slots")
+            self._refuse("{keep_quantize} is the keep tier's storage, but {keep} keeps none: pass {keep:=C} slots")
 
     def _check_groups(self):
         """KIVI: R a multiple of G, W a multiple of G, R <= W; each refusal names the nearest valid values."""
