@@ -237,45 +237,51 @@ class RefDecoder:
         t, c = self.t, self.cfg
         self.k[t] = np.zeros((entries, c["n_kv_heads"], c["head_dim"]))
         self.v[t] = np.zeros((entries, c["n_kv_heads"], c["head_dim"]))
+        window_before = set(sum(self.retained(t - 1)[1:], [])) if t else set()
         self._retain(t)
         sinks, rest, flushed = self.retained(t)
+        if self.keep:  # tokens of the window that this step's window no longer holds
+            self._leave(sorted(window_before - set(rest + flushed) - set(sinks)))
+        self.window_now = [p for p in rest + flushed if p >= self.sink]
         keys = sorted(sinks + rest + flushed + self.kept())
         return keys, {p: i for i, p in enumerate(keys)}, flushed
 
     def kept(self):
         return [p for p in self.slots if p is not None]
 
-    def _retention(self, t, mass):
-        """After step ``t``: the tier's scores, the token leaving the window, the window's scores."""
+    def _leave(self, leaving):
+        """Tokens leaving the window this step (oldest first) compete for the keep tier."""
         rule = self.keep_rule
-        for i, p in enumerate(self.slots):
-            if p is not None and rule in ("h2o", "tova"):
-                self.slot_score[i] = self.slot_score[i] + mass[p] if rule == "h2o" else mass[p]
-        leaving = t - self.window
-        if leaving >= self.sink:
-            own = leaving if rule == "recent" else self.ring_score.pop(leaving)
-            empty = [i for i, p in enumerate(self.slots) if p is None]
+        for p in leaving:
+            own = p if rule == "recent" else self.ring_score.pop(p)
+            empty = [i for i, q in enumerate(self.slots) if q is None]
             if empty:
                 slot = empty[0]
             else:
-                pri = [p if rule == "recent" else sc for p, sc in zip(self.slots, self.slot_score)]
+                pri = [q if rule == "recent" else sc for q, sc in zip(self.slots, self.slot_score)]
                 slot = int(np.argmin(pri))
                 if not own > pri[slot]:
-                    slot = None
-            if slot is not None:
-                old = self.slots[slot]
-                if old is not None:
-                    del self.kt[old], self.vt[old]
-                self.slots[slot], self.slot_score[slot] = leaving, own
-                k, v = self.k[leaving], self.v[leaving]
-                if self.keep_bits is not None:
-                    k, v = (quantize_dequantize(x, self.keep_bits, axis=2, scale_dtype=self.scale_dtype) for x in (k, v))
-                self.kt[leaving], self.vt[leaving] = k, v
-        for p in range(max(self.sink, t - self.window + 1), t + 1):
-            if rule == "h2o":
-                self.ring_score[p] = self.ring_score.get(p, 0.0) + mass[p]
-            elif rule == "tova":
-                self.ring_score[p] = mass[p]
+                    continue
+            old = self.slots[slot]
+            if old is not None:
+                del self.kt[old], self.vt[old]
+            self.slots[slot], self.slot_score[slot] = p, own
+            flushed = p in self.kq
+            k, v = (self.kq if flushed else self.k)[p], (self.vq if flushed else self.v)[p]
+            if self.keep_bits is not None:
+                k, v = (quantize_dequantize(x, self.keep_bits, axis=2, scale_dtype=self.scale_dtype) for x in (k, v))
+            self.kt[p], self.vt[p] = self._stored(k), self._stored(v)
+
+    def _rescore(self, window, mass):
+        """After a step: the tier's and the window's scores take its attention mass."""
+        if self.keep_rule not in ("h2o", "tova"):
+            return
+        h2o = self.keep_rule == "h2o"
+        for i, p in enumerate(self.slots):
+            if p is not None:
+                self.slot_score[i] = self.slot_score[i] + mass[p] if h2o else mass[p]
+        for p in window:
+            self.ring_score[p] = self.ring_score.get(p, 0.0) + mass[p] if h2o else mass[p]
 
     def step(self, token):
         """Append ``token`` at position ``self.t``; return its logits float64[V]."""
@@ -319,7 +325,7 @@ class RefDecoder:
             x = x + (silu(h @ w["w_gate"][l]) * (h @ w["w_up"][l])) @ w["w_down"][l]
         self.last_mass = mass  # position -> attention mass of this step (SnapKV's vote, summed by the tests)
         if self.keep:
-            self._retention(t, mass)
+            self._rescore(self.window_now, mass)
         x = rms_norm(x, w["final_norm"], c["eps"])
         head = w["embed"].T if c["tie"] else w["lm_head"]
         self.t += 1

@@ -37,14 +37,22 @@ def kept(cache, row=0):
     return sorted(int(p) for p in np.asarray(cache.keep.pos[row]) if p >= 0)
 
 
-@pytest.mark.parametrize("rule,positions,keep_quantize", [
-    ("recent", "absolute", None), ("h2o", "absolute", None), ("tova", "absolute", None),
-    ("recent", "cache", None), ("h2o", "cache", None), ("tova", "cache", None), ("recent", "absolute", "int4"),
+KIVI = dict(kv_quantize="int4", group_size=4, residual=4, scale_dtype="float32")
+
+
+@pytest.mark.parametrize("rule,positions,storage", [
+    ("recent", "absolute", {}), ("h2o", "absolute", {}), ("tova", "absolute", {}),
+    ("recent", "cache", {}), ("h2o", "cache", {}), ("tova", "cache", {}), ("recent", "absolute", dict(keep_quantize="int4")),
+    ("h2o", "absolute", KIVI), ("tova", "cache", KIVI), ("recent", "cache", KIVI),
+    ("h2o", "absolute", dict(KIVI, hadamard="both")), ("tova", "absolute", dict(KIVI, residual_dtype="float16")),
 ])
-def test_decode_matches_the_reference_tier_slot_by_slot(rule, positions, keep_quantize):
-    """Token by token over five window lengths: logits to 2e-5, the kept set exactly, the
-    scores to 1e-4 (float32 against the reference's float64 mass)."""
-    spec = CacheSpec(sink=2, window=8, keep=6, keep_score=rule, positions=positions, keep_quantize=keep_quantize)
+def test_decode_matches_the_reference_tier_slot_by_slot(rule, positions, storage):
+    """Token by token over five window lengths, on a float window and on a KIVI int4 window
+    (whose evicted groups join the tier dequantised): logits to 2e-5 (1e-4 with a quantised
+    tier, 5e-4 with a float16 residual), the kept set exactly, the scores to 1e-4 (float32 against the
+    reference's float64 mass)."""
+    spec = CacheSpec(sink=2, window=8, keep=6, keep_score=rule, positions=positions, **storage)
+    atol = 5e-4 if "residual_dtype" in storage else 1e-4 if "keep_quantize" in storage else 2e-5  # as test_kivi_cache
     tokens = tokens_for(2 + 5 * 8 + 3, seed=3)
     model = tiny_model()
     gd, st = nnx.split(model)
@@ -53,15 +61,15 @@ def test_decode_matches_the_reference_tier_slot_by_slot(rule, positions, keep_qu
     for i, tok in enumerate(tokens):
         logits, cache = STEP(gd, st, jnp.asarray([[tok]], jnp.int32), jnp.asarray([1], jnp.int32), cache)
         expected = ref.step(tok)
-        np.testing.assert_allclose(np.asarray(logits[0, 0]), expected, atol=2e-5 if keep_quantize is None else 1e-4, rtol=0)
+        np.testing.assert_allclose(np.asarray(logits[0, 0]), expected, atol=atol, rtol=0)
         assert kept(cache) == sorted(ref.kept()), f"after token {i}"
-    assert len(kept(cache)) == 6 and int(cache.stored()[0]) == 2 + 8 + 6
+    assert len(kept(cache)) == 6 and int(cache.stored()[0]) == 2 + 8 + 6 + (int(cache.ring_pos[0].__ge__(0).sum()) if spec.quantized else 0)
     if rule != "recent":
         slots = np.asarray(cache.keep.pos[0])
         got = {int(p): float(s) for p, s in zip(slots, np.asarray(cache.keep.score[0]))}
         want = dict(zip(ref.slots, ref.slot_score))
         np.testing.assert_allclose([got[p] for p in sorted(got)], [want[p] for p in sorted(got)], rtol=1e-4)
-    else:  # a FIFO: the last six tokens to leave the window
+    elif not spec.quantized:  # a FIFO: the last six tokens to leave the window
         assert kept(cache) == list(range(len(tokens) - 8 - 6, len(tokens) - 8))
 
 
@@ -132,7 +140,8 @@ def test_a_model_that_does_not_pass_the_mass_is_told_how():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_len=64, keep=8), r"keep=8 keeps tokens that leave a window, but this is a full cache"),
-    (dict(sink=4, window=64, keep=8, kv_quantize="int4", residual=32), r"keep=8 with a KIVI window \(kv_quantize='int4'\)"),
+    (dict(sink=4, window=64, keep=8, kv_quantize="int4", residual=32, keep_quantize="int2"),
+     r"keep_quantize='int2' would quantise a KIVI window's tokens a second time"),
     (dict(sink=4, window=64, keep_score="tova"), r"keep_score='tova' chooses the tokens of a keep tier, but keep=0 keeps none"),
     (dict(sink=4, window=64, keep_quantize="int2"), r"keep_quantize='int2' is the keep tier's storage, but keep=0 keeps none"),
     (dict(sink=4, window=64, keep=8, keep_score="lru"), r"keep_score='lru': expected one of recent, h2o, tova, snapkv"),

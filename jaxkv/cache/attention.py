@@ -146,7 +146,7 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
     received = {}  # kind -> float32[B, S], the attention mass the segment's slots received
     for seg, kind in segments:
         size = seg.pos.shape[1]
-        if mass and retention is not None and kind in ("keep", "ring", "chunk"):
+        if mass and retention is not None and kind != "sink":
             received[kind] = retention.reduce_queries(p[..., offset : offset + size], step.q_pos)
         ps = p[..., offset : offset + size].astype(dtype)
         parts = [
@@ -166,5 +166,6 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
         ring=received.get("ring", zeros(step.ring_pos.shape[1])),
         keep=received.get("keep", zeros(0 if step.keep_pos is None else step.keep_pos.shape[1])),
         chunk=received.get("chunk", zeros(t)),
+        store=received.get("store", zeros(0 if step.store_pos is None else step.store_pos.shape[1])),
     )
 

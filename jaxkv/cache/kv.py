@@ -172,7 +172,8 @@ class KVCache:
 
         store = storage.create_store(spec.policy, lbk=lbk, head_dim=head_dim, batch=batch)
         retention = spec.policy.retention
-        keep = None if retention is None else retention.create(lbk=lbk, head_dim=head_dim, batch=batch, ring=spec.n_ring)
+        keep = None if retention is None else retention.create(lbk=lbk, head_dim=head_dim, batch=batch, ring=spec.n_ring,
+                                                               store=spec.n_quant)
         has_sink = spec.n_sink > 0
         return cls(
             spec=spec,
@@ -237,9 +238,10 @@ class KVCache:
     def begin(self, n: jax.Array, chunk: int) -> tuple["KVCache", Step]:
         """Start a model call that appends up to ``n[b]`` of ``chunk`` (T) tokens per row.
 
-        Admits what the policy allows (a full cache never overflows), lets the storage
-        flush before anything is read (KIVI: a full residual is quantised first), and
-        computes the positions and RoPE offsets every layer shares.
+        Admits what the policy allows (a full cache never overflows), moves the tokens that
+        leave the window in this call into a keep tier by its rule (:mod:`jaxkv.cache.retention`),
+        lets the storage flush before anything is read (KIVI: a full residual is quantised
+        first), and computes the positions and RoPE offsets every layer shares.
 
         Args:
           n: int32[B] tokens offered per row (0 = the row sits this call out).
@@ -249,7 +251,11 @@ class KVCache:
           :func:`jaxkv.cache.attention.attend` and to :meth:`commit`.
         """
         n = self.policy.admit(self.length, n)
-        cache = self.storage.flush_ring(self, n)
+        cache = self
+        retention = self.policy.retention
+        if retention is not None and retention.slots:
+            cache = cache.replace(keep=retention.admit(cache.keep, self.storage.leaving(cache, n, chunk)))
+        cache = self.storage.flush_ring(cache, n)
         return cache, cache._step(n, _query_positions(cache.length, n, chunk))
 
     def _step(self, n, q_pos) -> Step:
@@ -311,10 +317,9 @@ class KVCache:
                                  "commit(step, k_new, v_new, mass=the masses stacked on L)")
             if isinstance(mass, Mass):
                 mass = jax.tree.map(lambda m: jnp.sum(m, axis=0), mass)  # summed over layers
-            keep = retention.update(self.keep, ring_k=self.ring_k, ring_v=self.ring_v, ring_pos=self.ring_pos,
-                                    ring_slot=ring_slot, n=jnp.where(in_sink, 0, n), chunk=k_new.shape[3],
-                                    mass=mass if retention.attention_scored else None, token_score=token_score,
-                                    batch_parallel=self.batch_sharded)
+            keep = retention.rescore(self.keep, ring_slot=ring_slot, n=jnp.where(in_sink, 0, n), chunk=k_new.shape[3],
+                                     mass=mass if retention.attention_scored else None, token_score=token_score,
+                                     batch_parallel=self.batch_sharded)
         kv = dict(batch_axis=1, slot_axis=3, batch_parallel=self.batch_sharded)
         pos_axes = dict(batch_axis=0, slot_axis=1, batch_parallel=self.batch_sharded)
         k_new, v_new = self.storage.to_container(k_new), self.storage.to_container(v_new, values=True)

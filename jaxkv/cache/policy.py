@@ -93,8 +93,9 @@ class Policy:
 
     def kept_visible(self, q, p):
         """bool mask of the keep tier (:mod:`jaxkv.cache.retention`): a kept token is visible to
-        every later query (its slot is its retention), ``q``/``p`` as in :meth:`visible`."""
-        mask = (q >= 0) & (p >= 0) & (p <= q)
+        every query whose window it has left (a prefill chunk's early queries still see the
+        chunk's leaving tokens in the window), ``q``/``p`` as in :meth:`visible`."""
+        mask = (q >= 0) & (p >= 0) & (p < self.window_start(q))
         if self.attention_window:
             mask &= p > q - self.attention_window
         return mask

@@ -51,7 +51,7 @@ from jax import lax
 
 from jaxkv.cache import kivi
 from jaxkv.cache.ring import write_ring
-from jaxkv.cache.storage import FLOAT_DTYPES, Segment, as_container
+from jaxkv.cache.storage import FLOAT_DTYPES, Leaving, Segment, as_container
 
 RULES = ("recent", "h2o", "tova", "snapkv")
 OBSERVE = 32  # SnapKV's observation window: the last prompt tokens whose attention scores the prompt
@@ -64,13 +64,15 @@ class Mass(NamedTuple):
     stacked on L by the model's layer loop): see :func:`jaxkv.cache.attention.attend`.
 
     Attributes:
-      ring: float32[B, R], the window's slots. keep: float32[B, C], the tier's slots.
-      chunk: float32[B, T], the call's own tokens.
+      ring: float32[B, R], the window's (or KIVI residual's) slots. keep: float32[B, C], the
+      tier's slots. chunk: float32[B, T], the call's own tokens. store: float32[B, W], the
+      slots of a storage's compressed store (KIVI's quantised window; [B, 0] without one).
     """
 
     ring: jax.Array
     keep: jax.Array
     chunk: jax.Array
+    store: jax.Array
 
 
 @struct.dataclass
@@ -84,8 +86,10 @@ class KeepTier:
         and head of a quantised tier, else None.
       pos: int32[B, C], the absolute position per slot, -1 = empty (None in a per-layer view).
       score: float32[B, C], each slot's score (None for ``recent`` and in a per-layer view).
-      ring_score: float32[B, R], the score of each window slot, carried into the tier when the
-        token leaves the window (None for ``recent`` and in a per-layer view).
+      ring_score: float32[B, R], the score of each window (KIVI: residual) slot, carried into
+        the tier when the token leaves the window (None for ``recent`` and in a per-layer view).
+      store_score: float32[B, W], the same for the slots of a KIVI window's quantised ring
+        (moved there from ``ring_score`` by a flush), else None.
     """
 
     k: jax.Array
@@ -97,6 +101,7 @@ class KeepTier:
     pos: jax.Array | None
     score: jax.Array | None
     ring_score: jax.Array | None
+    store_score: jax.Array | None = None
 
 
 _TOKEN_LEAVES = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
@@ -137,8 +142,9 @@ class Retention:
         return f"keep {self.slots} {self.rule} ({self.kind})"
 
     # ---- leaves ----------------------------------------------------------------------------------
-    def create(self, *, lbk: tuple, head_dim: int, batch: int, ring: int) -> KeepTier:
-        """An empty tier: every slot position -1, every score 0.
+    def create(self, *, lbk: tuple, head_dim: int, batch: int, ring: int, store: int = 0) -> KeepTier:
+        """An empty tier: every slot position -1, every score 0 (``ring``, ``store``: the
+        window's full-precision and compressed slots, whose scores it tracks).
 
         Raises:
           JaxkvError: a quantised tier with ``head_dim`` not a multiple of the codes per byte.
@@ -153,11 +159,12 @@ class Retention:
                            for name, fill in (("scale", jnp.ones), ("zero", jnp.zeros))})
         score = jnp.zeros((batch, c), jnp.float32) if self.tracked else None
         return KeepTier(**{name: leaves.get(name) for name in _TOKEN_LEAVES}, pos=jnp.full((batch, c), -1, jnp.int32),
-                        score=score, ring_score=jnp.zeros((batch, ring), jnp.float32) if self.tracked else None)
+                        score=score, ring_score=jnp.zeros((batch, ring), jnp.float32) if self.tracked else None,
+                        store_score=jnp.zeros((batch, store), jnp.float32) if self.tracked and store else None)
 
     def layer_view(self, tier: KeepTier) -> KeepTier:
         """The per-layer leaves (k, v, scales) without the per-row arrays."""
-        return tier.replace(pos=None, score=None, ring_score=None)
+        return tier.replace(pos=None, score=None, ring_score=None, store_score=None)
 
     def _encode(self, k, v) -> dict:
         """Tier leaves of keys/values ``float[..., T, H]``."""
@@ -181,7 +188,7 @@ class Retention:
         leaves = [getattr(tier, name) for name in _TOKEN_LEAVES if getattr(tier, name) is not None]
         return [("keep", leaves, tier.pos)]
 
-    # ---- one call's update ------------------------------------------------------------------------
+    # ---- one call: admission at begin, scores at commit --------------------------------------------
     def reduce_queries(self, probs, q_pos):
         """Mass per slot of one segment's probabilities ``float32[B, K, G, T, S]``: summed over
         heads and the call's queries (``h2o``, a scoring pass), or from its last query only
@@ -192,43 +199,45 @@ class Retention:
             return jnp.take_along_axis(per_query, last[:, None, None], axis=1)[:, 0]
         return jnp.sum(per_query, axis=1)
 
-    def update(self, tier: KeepTier, *, ring_k, ring_v, ring_pos, ring_slot, n, chunk: int, mass: Mass | None,
-               token_score=None, batch_parallel: bool = False) -> KeepTier:
-        """The tier after one call appends ``n[b]`` tokens to the window at ring slot ``ring_slot[b]``.
-
-        Order: the tier's scores take this call's mass; the tokens the write overwrites
-        (leaving the window) compete for the tier with the score they carried; the window's
-        scores take this call's mass, and the new tokens' slots their own (or ``token_score``,
-        the observation scores a SnapKV replay passes; ``-inf`` for a ``snapkv`` decode token).
+    def admit(self, tier: KeepTier, leaving) -> KeepTier:
+        """The tier after the tokens leaving the window in this call competed for it, in order.
 
         Args:
-          ring_k, ring_v: ``[L, B, K, R, H]`` the window before the write (container dtype).
-          ring_pos: int32[B, R] before the write. ring_slot: int32[B]. n: int32[B] tokens written.
-          chunk: T. mass: the call's :class:`Mass` summed over layers (``h2o``/``tova``; else None).
+          leaving: the storage's :class:`~jaxkv.cache.storage.Leaving` tokens (:meth:`jaxkv.cache.storage.Storage.leaving`).
+        """
+        if not self.slots:
+            return tier
+        cand = self._encode(leaving.k, leaving.v)
+        score = None
+        if self.tracked:
+            carried = tier.ring_score if leaving.store is None else leaving.store
+            score = jnp.take_along_axis(carried, leaving.slots, axis=1)
+        return self._admit(tier, cand, leaving.pos, score)
+
+    def rescore(self, tier: KeepTier, *, ring_slot, n, chunk: int, mass: Mass | None, token_score=None,
+                batch_parallel: bool = False) -> KeepTier:
+        """The scores after a call appended ``n[b]`` tokens at ring slot ``ring_slot[b]``: the tier's
+        and the window's slots take the call's mass (``h2o`` adds it, ``tova`` replaces), the new
+        tokens' slots their own mass; a ``snapkv`` cache gives them ``token_score`` (a replay's
+        observation scores) or ``-inf`` (decode: a token nobody observed).
+
+        Args:
+          ring_slot: int32[B]. n: int32[B] tokens written to the ring. chunk: T.
+          mass: the call's :class:`Mass` summed over layers (``h2o``/``tova``; else None).
           token_score: float32[B, T] or None.
         """
-        r = ring_pos.shape[1]
-        if self.rule in ("h2o", "tova") and self.slots:
-            tier = tier.replace(score=tier.score + mass.keep if self.rule == "h2o" else mass.keep)
-        if self.slots:
-            j = jnp.arange(min(chunk, r), dtype=jnp.int32)
-            idx = (ring_slot[:, None] + j[None]) % r  # [B, T'] the slots the write overwrites
-            leaving = jnp.where(j[None] < n[:, None], jnp.take_along_axis(ring_pos, idx, axis=1), -1)
-            gather = lambda x: jnp.take_along_axis(x, idx[None, :, None, :, None], axis=3)  # noqa: E731
-            read = lambda x: lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.int16 else x  # noqa: E731
-            cand = self._encode(read(gather(ring_k)).astype(jnp.float32), read(gather(ring_v)).astype(jnp.float32))
-            cand_score = jnp.take_along_axis(tier.ring_score, idx, axis=1) if self.tracked else None
-            tier = self._admit(tier, cand, leaving, cand_score)
-        if self.tracked:
-            if self.rule == "snapkv":
-                new = jnp.full((n.shape[0], chunk), -jnp.inf, jnp.float32) if token_score is None else token_score
-                ring_score = tier.ring_score
-            else:
-                new = mass.chunk
-                ring_score = tier.ring_score + mass.ring if self.rule == "h2o" else mass.ring
-            tier = tier.replace(ring_score=write_ring(ring_score, new.astype(jnp.float32), ring_slot, n, batch_axis=0,
-                                                      slot_axis=1, batch_parallel=batch_parallel))
-        return tier
+        if not self.tracked:
+            return tier
+        put = dict(batch_axis=0, slot_axis=1, batch_parallel=batch_parallel)
+        if self.rule == "snapkv":
+            new = jnp.full((n.shape[0], chunk), -jnp.inf, jnp.float32) if token_score is None else token_score
+            return tier.replace(ring_score=write_ring(tier.ring_score, new.astype(jnp.float32), ring_slot, n, **put))
+        h2o = self.rule == "h2o"
+        scores = {name: (getattr(tier, name) + m if h2o else m) for name, m in
+                  (("score", mass.keep), ("ring_score", mass.ring), ("store_score", mass.store))
+                  if getattr(tier, name) is not None}
+        scores["ring_score"] = write_ring(scores["ring_score"], mass.chunk, ring_slot, n, **put)
+        return tier.replace(**scores)
 
     def _admit(self, tier: KeepTier, cand: dict, cand_pos, cand_score) -> KeepTier:
         """Each valid candidate (``cand_pos >= 0``), in order, takes an empty slot, or the slot

@@ -112,14 +112,15 @@ class CacheSpec:
         two, and rotated keys need keys stored after RoPE (``positions="absolute"``, no
         ``pre_rope_keys``): a pre-RoPE key would have to be rotated back for every read.
       keep: C, slots of a *keep tier* for tokens leaving the window (0: none, StreamingLLM
-        drops them); a StreamingLLM cache with a float window (:mod:`jaxkv.cache.retention`).
+        drops them); a StreamingLLM cache (:mod:`jaxkv.cache.retention`).
       keep_score: which leaving tokens the tier keeps: ``recent`` (the last C: tiered
         retention), ``h2o`` (most attention received), ``tova`` (most attention from the latest
         query) or ``snapkv`` (most attention from the prompt's last tokens, chosen at the end
         of the prompt's prefill). On a full cache (``keep=0``), ``h2o`` only tracks the scores
         (SnapKV's observation pass).
       keep_quantize: the tier's storage, fp32|fp16|bf16|int8|int4|int2 (int*: per-token codes
-        of keys and values); None: the window's float mode.
+        of keys and values; a float window only); None: the window's float mode (a KIVI
+        window: ``residual_dtype``, its evicted codes dequantised once).
 
     Raises:
       JaxkvError: on any value outside the accepted ranges (the message names it).
@@ -208,15 +209,16 @@ class CacheSpec:
 
     def _check_keep(self):
         """The keep tier: a StreamingLLM cache with a float window; a full cache only tracks h2o scores."""
-        if self.keep_quantize == self.kv_modes[0] and not self.quantized:
+        if self.keep_quantize == self._window_float:
             object.__setattr__(self, "keep_quantize", None)  # the window's own mode: one canonical spec
         if self.keep:
             if self.window is None:
                 self._refuse("{keep} keeps tokens that leave a window, but this is a full cache (it keeps every "
                              "token): pass {window:=W}, or {keep:=0}")
-            if self.quantized:
-                self._refuse("{keep} with a KIVI window ({kv_quantize}) is not supported: keep the window in "
-                             "fp16/bf16/fp32 and quantise the tier with {keep_quantize:name}, e.g. int2")
+            if self.quantized and self.keep_quantize in QUANT_MODES:
+                self._refuse("{keep_quantize} would quantise a KIVI window's tokens a second time as they leave it "
+                             "(a code is quantised once): keep the tier in float ({keep_quantize:=None}, the "
+                             "residual's dtype), or quantise a float window's tier")
         elif self.keep_score != "recent" and self.window is not None:
             self._refuse("{keep_score} chooses the tokens of a keep tier, but {keep} keeps none: pass {keep:=C} slots")
         elif self.keep_score not in ("recent", "h2o"):
@@ -267,8 +269,15 @@ class CacheSpec:
         """The keep tier's :class:`jaxkv.cache.retention.Retention` (None without one)."""
         if not self.keep and self.keep_score == "recent":
             return None
-        kind = self.keep_quantize or self.kv_modes[0]
+        kind = self.keep_quantize or self._window_float
         return Retention(slots=self.keep, rule=self.keep_score, kind=kind, scale_dtype=self.scale_dtype)
+
+    @property
+    def _window_float(self) -> str:
+        """The float mode of the window's full-precision tokens (a KIVI window: its residual's)."""
+        if self.quantized:
+            return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.residual_dtype]
+        return self.kv_modes[0]
 
     def observer(self, max_len: int) -> "CacheSpec":
         """The full cache of ``max_len`` slots that SnapKV's observation pass prefills a prompt
