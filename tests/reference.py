@@ -157,11 +157,18 @@ class RefDecoder:
       hadamard: ``(keys, values)`` bools: quantise that side as ``x @ M`` and read it back as
         ``dequantise(...) @ M.T``, M the orthonormal Sylvester Hadamard matrix (built here by
         Kronecker products, not with jaxkv's code).
+      keep, keep_rule, keep_bits: a keep tier of ``keep`` slots for tokens leaving the window
+        (float window only), simulated slot by slot: a leaving token takes the first empty
+        slot, else the first slot of the lowest priority if its own is higher; priority =
+        position (``recent``), attention mass summed over every query head and layer since it
+        was written (``h2o``), or from the latest step (``tova``; a leaving token carries the
+        mass of the last step that saw it). ``keep_bits``: per-token quantised tier (keys and
+        values alike, over H), else the stored floats.
     """
 
     def __init__(self, weights, cfg, *, sink=0, window=None, bits=None, group_size=None, residual=None,
                  positions="absolute", rope_layout="half", scale_dtype=np.float32, residual_dtype=None,
-                 pre_rope_keys=False, hadamard=(False, False)):
+                 pre_rope_keys=False, hadamard=(False, False), keep=0, keep_rule="recent", keep_bits=None):
         self.w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
         self.cfg = cfg
         self.sink, self.window = sink, window
@@ -173,6 +180,11 @@ class RefDecoder:
         self.k, self.v = {}, {}  # position -> [L, K, H] as stored (full precision)
         self.kq, self.vq = {}, {}  # position -> [L, K, H] dequantised (flushed tokens)
         self.flushed, self.resid = [], []
+        self.keep, self.keep_rule, self.keep_bits = keep, keep_rule, keep_bits
+        self.slots = [None] * keep  # the keep tier: a position per slot
+        self.slot_score = [0.0] * keep
+        self.ring_score = {}  # window position -> score
+        self.kt, self.vt = {}, {}  # position -> [L, K, H] as the tier holds it
 
     # -- the retained set, simulated --------------------------------------------------------
     def _retain(self, t):
@@ -225,10 +237,51 @@ class RefDecoder:
         t, c = self.t, self.cfg
         self.k[t] = np.zeros((entries, c["n_kv_heads"], c["head_dim"]))
         self.v[t] = np.zeros((entries, c["n_kv_heads"], c["head_dim"]))
+        window_before = set(sum(self.retained(t - 1)[1:], [])) if t else set()
         self._retain(t)
         sinks, rest, flushed = self.retained(t)
-        keys = sorted(sinks + rest + flushed)
+        if self.keep:  # tokens of the window that this step's window no longer holds
+            self._leave(sorted(window_before - set(rest + flushed) - set(sinks)))
+        self.window_now = [p for p in rest + flushed if p >= self.sink]
+        keys = sorted(sinks + rest + flushed + self.kept())
         return keys, {p: i for i, p in enumerate(keys)}, flushed
+
+    def kept(self):
+        return [p for p in self.slots if p is not None]
+
+    def _leave(self, leaving):
+        """Tokens leaving the window this step (oldest first) compete for the keep tier."""
+        rule = self.keep_rule
+        for p in leaving:
+            own = p if rule == "recent" else self.ring_score.pop(p)
+            empty = [i for i, q in enumerate(self.slots) if q is None]
+            if empty:
+                slot = empty[0]
+            else:
+                pri = [q if rule == "recent" else sc for q, sc in zip(self.slots, self.slot_score)]
+                slot = int(np.argmin(pri))
+                if not own > pri[slot]:
+                    continue
+            old = self.slots[slot]
+            if old is not None:
+                del self.kt[old], self.vt[old]
+            self.slots[slot], self.slot_score[slot] = p, own
+            flushed = p in self.kq
+            k, v = (self.kq if flushed else self.k)[p], (self.vq if flushed else self.v)[p]
+            if self.keep_bits is not None:
+                k, v = (quantize_dequantize(x, self.keep_bits, axis=2, scale_dtype=self.scale_dtype) for x in (k, v))
+            self.kt[p], self.vt[p] = self._stored(k), self._stored(v)
+
+    def _rescore(self, window, mass):
+        """After a step: the tier's and the window's scores take its attention mass."""
+        if self.keep_rule not in ("h2o", "tova"):
+            return
+        h2o = self.keep_rule == "h2o"
+        for i, p in enumerate(self.slots):
+            if p is not None:
+                self.slot_score[i] = self.slot_score[i] + mass[p] if h2o else mass[p]
+        for p in window:
+            self.ring_score[p] = self.ring_score.get(p, 0.0) + mass[p] if h2o else mass[p]
 
     def step(self, token):
         """Append ``token`` at position ``self.t``; return its logits float64[V]."""
@@ -237,6 +290,7 @@ class RefDecoder:
         x = w["embed"][token]
         n_layers = w["wq"].shape[0]
         keys, ranks, flushed = self._admit(n_layers)
+        mass = {}  # position -> attention mass received this step (all layers and query heads)
         for l in range(n_layers):
             h = rms_norm(x, w["attn_norm"][l], c["eps"])
             q = (h @ w["wq"][l]).reshape(nh, hd)
@@ -249,8 +303,11 @@ class RefDecoder:
             qpos = t if absolute else ranks[t]
             qr = rope(q, qpos, c["theta"], self.layout)
             # the token attends to itself as computed (jaxkv: the chunk's own keys), to the rest as stored
-            kk = np.stack([k if p == t else (self.kq if p in flushed else self.k)[p][l] for p in keys], axis=1)  # [K, S, H]
-            vv = np.stack([v if p == t else (self.vq if p in flushed else self.v)[p][l] for p in keys], axis=1)
+            def held(p, floats, quantised, tier):
+                return (tier if p in tier else quantised if p in flushed else floats)[p][l]
+
+            kk = np.stack([k if p == t else held(p, self.k, self.kq, self.kt) for p in keys], axis=1)  # [K, S, H]
+            vv = np.stack([v if p == t else held(p, self.v, self.vq, self.vt) for p in keys], axis=1)
             if rotate_on_read:  # at the key's rank (cache) or its absolute position
                 kk = rope(kk, np.array([p if absolute else ranks[p] for p in keys])[None, :], c["theta"], self.layout)
             group = nh // nkv
@@ -261,9 +318,14 @@ class RefDecoder:
                 p_ = np.exp(s - s.max())
                 p_ /= p_.sum()
                 out[head] = p_ @ vv[kv_head]
+                for key, share in zip(keys, p_):
+                    mass[key] = mass.get(key, 0.0) + share
             x = x + out.reshape(-1) @ w["wo"][l]
             h = rms_norm(x, w["mlp_norm"][l], c["eps"])
             x = x + (silu(h @ w["w_gate"][l]) * (h @ w["w_up"][l])) @ w["w_down"][l]
+        self.last_mass = mass  # position -> attention mass of this step (SnapKV's vote, summed by the tests)
+        if self.keep:
+            self._rescore(self.window_now, mass)
         x = rms_norm(x, w["final_norm"], c["eps"])
         head = w["embed"].T if c["tie"] else w["lm_head"]
         self.t += 1
@@ -272,7 +334,7 @@ class RefDecoder:
     def stored(self):
         """Positions held after the last step (sinks, window/residual, quantised)."""
         sinks, rest, flushed = self.retained(self.t - 1)
-        return sorted(sinks + rest + flushed)
+        return sorted(sinks + rest + flushed + self.kept())
 
 
 # ------------------------------------------------------------------ RefDecoder's inputs
@@ -287,6 +349,9 @@ def ref_config(config):
 def ref_kwargs(spec):
     """RefDecoder keyword arguments describing a CacheSpec."""
     kw = dict(sink=spec.sink, window=spec.window, positions=spec.positions, pre_rope_keys=spec.pre_rope_keys)
+    if spec.keep:
+        kw.update(keep=spec.keep, keep_rule=spec.keep_score, keep_bits=spec.retention.bits,
+                  scale_dtype=np.dtype(spec.scale_dtype).type)
     if spec.quantized:
         storage = spec.storage
         floats = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}

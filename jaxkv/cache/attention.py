@@ -16,6 +16,7 @@ from jax import lax
 
 from jaxkv.cache import rotation
 from jaxkv.cache.kv import LayerKV, Step
+from jaxkv.cache.retention import Mass
 from jaxkv.cache.rope import Rope, apply_rope, as_rope, rope_blocks
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.cache.storage import Segment
@@ -23,7 +24,7 @@ from jaxkv.errors import JaxkvError
 
 
 def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None, theta: float | None = None,
-           scale: float | None = None, softcap: float | None = None):
+           scale: float | None = None, softcap: float | None = None, mass: bool = False):
     """Grouped-query attention of a chunk over one layer of the cache and itself.
 
     Args:
@@ -36,11 +37,15 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
       scale: the score scale (default ``1/sqrt(H)``; Gemma: ``query_pre_attn_scalar**-0.5``).
       softcap: None, or ``c`` to cap scores as ``c * tanh(s / c)`` before the softmax
         (Gemma 2's attention logit soft-capping).
+      mass: also return the attention mass each stored slot received (a cache whose keep
+        tier ranks tokens by attention, ``spec.policy.retention.attention_scored``).
     Returns:
       ``(out[B, T, N, H], k_store[B, K, T, H], v_store[B, K, T, H])``: the attention
       output in ``q.dtype``, and the chunk's keys/values as the cache stores them (keys
       after RoPE in ``absolute`` mode, before RoPE in ``cache`` mode): stack them on L
-      for :meth:`KVCache.commit`.
+      for :meth:`KVCache.commit`. With ``mass=True`` a fourth entry, the
+      :class:`~jaxkv.cache.retention.Mass` of the window, keep tier and chunk slots
+      (float32[B, S] each; zeros when the cache keeps no tier), also for :meth:`KVCache.commit`.
     Raises:
       JaxkvError: neither or both of ``rope`` and ``theta``, a rope of another head dim, or
         a ``softcap`` that is not positive.
@@ -75,21 +80,27 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
 
     k_store = k if pre_rope else apply_rope(k, step.q_pos[:, None, :], rope=rope)
 
-    # segments: (Segment, is_sink); a Segment's keys and values are lists of channel blocks
+    # segments: (Segment, kind); a Segment's keys and values are lists of channel blocks
     # (KIVI int4/int2: one per packed bit field) so that no dequantised or rotated segment of a
-    # decode step is ever concatenated along H.
+    # decode step is ever concatenated along H. Sinks and keep tier see the queries at their rank.
     segments = []
     if step.sink_pos is not None:
         sk = [storage.read(layer.sink_k).astype(dtype)]
         if pre_rope:  # a sink's rank is its position
             sk = rotate(sk, step.sink_pos[:, None, :])
-        segments.append((Segment(sk, [storage.read(layer.sink_v)], step.sink_pos), True))
+        segments.append((Segment(sk, [storage.read(layer.sink_v)], step.sink_pos), "sink"))
+    retention = policy.retention
+    if layer.keep is not None:
+        seg = retention.segment(layer.keep, step.keep_pos, dtype)
+        if pre_rope:  # at its rank in the cache (positions="cache"), else its position
+            seg = seg._replace(keys=rotate(seg.keys, step.keep_rot[:, None, :]))
+        segments.append((seg, "keep"))
     if layer.store is not None:
         for seg in storage.segments(layer.store, step.store_pos, dtype):
-            segments.append((seg._replace(keys=rotate_keys(seg.keys, seg.pos)), False))
+            segments.append((seg._replace(keys=rotate_keys(seg.keys, seg.pos)), "store"))
     ring_k, ring_v = storage.read(layer.ring_k), storage.read(layer.ring_v)
-    segments.append((Segment(rotate_keys([ring_k.astype(dtype)], step.ring_pos), [ring_v], step.ring_pos), False))
-    segments.append((Segment(rotate_keys([k_store], step.q_pos), [v], step.q_pos), False))
+    segments.append((Segment(rotate_keys([ring_k.astype(dtype)], step.ring_pos), [ring_v], step.ring_pos), "ring"))
+    segments.append((Segment(rotate_keys([k_store], step.q_pos), [v], step.q_pos), "chunk"))
 
     group = n_heads // n_kv
     qg = q.reshape(b, t, n_kv, group, h)
@@ -103,8 +114,8 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
     q_sink = jnp.transpose(q_sink, (0, 2, 3, 1, 4)).reshape(b, n_kv, group * t, h) if policy.rope_at_rank else q_main
     dims = (((3,), (3,)), ((0, 1), (0, 1)))
     scores = []
-    for seg, is_sink in segments:
-        qq = q_sink if is_sink else q_main
+    for seg, kind in segments:
+        qq = q_sink if kind in ("sink", "keep") else q_main
         if seg.key_rotation is not None:  # keys stored as k @ M: (q @ M) . (k @ M) = q . k
             qq = rotation.rotate(qq, seg.key_rotation).astype(dtype)
         keys = seg.keys
@@ -120,7 +131,8 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
         s = jnp.swapaxes(s, 2, 3).reshape(b, n_kv, group, t, -1) * scale
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
-        mask = policy.visible(step.q_pos[:, :, None], seg.pos[:, None, :])  # [B, T, S]
+        visible = policy.kept_visible if kind == "keep" else policy.visible
+        mask = visible(step.q_pos[:, :, None], seg.pos[:, None, :])  # [B, T, S]
         scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
     s = jnp.concatenate(scores, axis=-1)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -131,8 +143,11 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
 
     out = jnp.zeros((b, n_kv, group, t, h), jnp.float32)
     offset = 0
-    for seg, _ in segments:
+    received = {}  # kind -> float32[B, S], the attention mass the segment's slots received
+    for seg, kind in segments:
         size = seg.pos.shape[1]
+        if mass and retention is not None and kind != "sink":
+            received[kind] = retention.reduce_queries(p[..., offset : offset + size], step.q_pos)
         ps = p[..., offset : offset + size].astype(dtype)
         parts = [
             jnp.einsum("bkgts,bksh->bkgth", ps, block.astype(dtype), preferred_element_type=jnp.float32)
@@ -144,5 +159,13 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
         out += part
         offset += size
     out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n_heads, h).astype(dtype)
-    return out, k_store, v
+    if not mass:
+        return out, k_store, v
+    zeros = lambda n: jnp.zeros((b, n), jnp.float32)  # noqa: E731
+    return out, k_store, v, Mass(
+        ring=received.get("ring", zeros(step.ring_pos.shape[1])),
+        keep=received.get("keep", zeros(0 if step.keep_pos is None else step.keep_pos.shape[1])),
+        chunk=received.get("chunk", zeros(t)),
+        store=received.get("store", zeros(0 if step.store_pos is None else step.store_pos.shape[1])),
+    )
 

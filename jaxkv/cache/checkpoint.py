@@ -50,7 +50,8 @@ from jaxkv.files import atomic_write
 
 FILE_FORMAT = "jaxkv-cache/1"
 _RESERVED = ("format", "spec", "checksum", "prefixes")
-_LATER_SPEC_FIELDS = ("attention_window", "k_quantize", "v_quantize", "residual_dtype", "pre_rope_keys", "hadamard")
+_LATER_SPEC_FIELDS = ("attention_window", "k_quantize", "v_quantize", "residual_dtype", "pre_rope_keys", "hadamard", "keep",
+                      "keep_score", "keep_quantize")
 """CacheSpec fields added after the format was defined: written only when not their default,
 so a cache that does not use them is saved byte for byte as before (``pre_rope_keys`` also not
 when ``positions="cache"`` implies it)."""

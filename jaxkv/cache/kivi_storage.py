@@ -23,7 +23,7 @@ from jax import lax
 from jaxkv.cache import kivi
 from jaxkv.cache.ring import write_ring
 from jaxkv.cache.rotation import hadamard, rotate
-from jaxkv.cache.storage import FLOAT_DTYPES, Segment, Storage, as_container
+from jaxkv.cache.storage import FLOAT_DTYPES, Leaving, Segment, Storage, as_container
 from jaxkv.errors import JaxkvError
 
 BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -204,9 +204,44 @@ class KiviStorage(Storage):
         written = {name: write_ring(getattr(q, name), x, *((start // g, count // g) if name in _GROUP_LEAVES
                                                             else (start, count)), **tok)
                    for name, x in new.items()}
-        quant = q.replace(**written, pos=write_ring(q.pos, cache.ring_pos, start, count, batch_axis=0, slot_axis=1,
-                                                    batch_parallel=cache.batch_sharded))
-        return cache.replace(quant=quant, ring_pos=jnp.where(flush[:, None], -1, cache.ring_pos))
+        pos_axes = dict(batch_axis=0, slot_axis=1, batch_parallel=cache.batch_sharded)
+        quant = q.replace(**written, pos=write_ring(q.pos, cache.ring_pos, start, count, **pos_axes))
+        keep = cache.keep
+        if keep is not None and keep.store_score is not None:  # the residual's scores move with its tokens
+            keep = keep.replace(store_score=write_ring(keep.store_score, keep.ring_score, start, count, **pos_axes))
+        return cache.replace(quant=quant, ring_pos=jnp.where(flush[:, None], -1, cache.ring_pos), keep=keep)
+
+    def leaving(self, cache, n, chunk: int):
+        """The tokens a flush in this call evicts from the quantised ring: the R oldest flushed
+        tokens (whole groups) in the slots the residual is about to take, dequantised (a rotated
+        side rotated back). Returns a :class:`~jaxkv.cache.storage.Leaving` with ``store`` the
+        tier's scores of the quantised slots."""
+        q, r, g = cache.quant, self.residual, self.group_size
+        u0 = cache.length - cache.policy.sink
+        flush = (n > 0) & (u0 > 0) & (u0 % r == 0)
+        w = q.pos.shape[1]
+        slots = ((u0 - r) % w)[:, None] + jnp.arange(r, dtype=jnp.int32)[None]  # in range: W is a multiple of R's groups
+        slots = slots % w
+        pos = jnp.where(flush[:, None], jnp.take_along_axis(q.pos, slots, axis=1), -1)
+        tok = lambda x: jnp.take_along_axis(x, slots[None, :, None, :, None], axis=3)  # noqa: E731
+        groups = slots[:, ::g] // g
+        grp = lambda x: jnp.take_along_axis(x, groups[None, :, None, :, None], axis=3)  # noqa: E731
+        if self.key_bits is None:
+            k = self.read(tok(q.k_float)).astype(jnp.float32)
+        else:
+            k = kivi.dequantize_keys(kivi.QuantizedKeys(tok(q.k_codes), grp(q.k_scale), grp(q.k_zero)),
+                                     bits=self.key_bits, group_size=g)
+        if self.value_bits is None:
+            v = self.read(tok(q.v_float)).astype(jnp.float32)
+        else:
+            per = lambda x: jnp.take_along_axis(x, slots[None, :, None, :], axis=3)  # noqa: E731
+            v = kivi.dequantize_values(kivi.QuantizedValues(tok(q.v_codes), per(q.v_scale), per(q.v_zero)),
+                                       bits=self.value_bits)
+        if self.rotate_keys:
+            k = rotate(k, jnp.asarray(hadamard(k.shape[-1])).T)
+        if self.rotate_values:
+            v = rotate(v, jnp.asarray(hadamard(v.shape[-1])).T)
+        return Leaving(k, v, pos, slots, store=None if cache.keep is None else cache.keep.store_score)
 
     def segments(self, store: QuantRing, pos, dtype) -> list:
         """The quantised ring of one layer as channel blocks (KIVI §3.2): one :class:`Segment`

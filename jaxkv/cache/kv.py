@@ -13,6 +13,8 @@ leaf            shape                       holds
 ``ring_pos``    ``int32[B, R]``             absolute position per ring slot, -1 = empty
 ``quant``       storage-defined or None     the storage's compressed store (KIVI :class:`QuantRing`:
                                             bit-packed codes of the last W flushed tokens)
+``keep``        :class:`KeepTier` or None   tokens kept after they left the window, by a rule
+                                            (:mod:`jaxkv.cache.retention`), ``pos int32[B, C]``
 ==============  ==========================  ===============================================
 
 What is kept where is the spec's *policy* (:mod:`jaxkv.cache.policy`); how it is held is
@@ -39,12 +41,13 @@ import numpy as np
 from flax import struct
 
 from jaxkv.cache.kivi_storage import QuantRing
+from jaxkv.cache.retention import KeepTier, Mass
 from jaxkv.cache.ring import write_ring
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.cache.storage import Storage
 from jaxkv.errors import INT32_LIMIT, CacheSpecError, JaxkvError, check_int
 
-__all__ = ["KVCache", "LayerKV", "QuantRing", "Step", "layer_value"]
+__all__ = ["KVCache", "KeepTier", "LayerKV", "Mass", "QuantRing", "Step", "layer_value"]
 
 
 class Step(struct.PyTreeNode):
@@ -59,7 +62,10 @@ class Step(struct.PyTreeNode):
         (window or KIVI residual), the storage's compressed store (None where absent).
       q_rot_sink: int32[B, T], RoPE position of the query against sink keys.
       q_rot: int32[B, T], RoPE position of the query against all other keys.
-      k_shift: int32[B], subtracted from a non-sink key's absolute position to get its RoPE position.
+      k_shift: int32[B], subtracted from a window key's absolute position to get its RoPE position.
+      keep_pos: int32[B, C], the keep tier's positions (None without one).
+      keep_rot: int32[B, C], the RoPE position of each keep-tier key stored before RoPE: its
+        rank (``positions="cache"``) or its position (None without a tier).
     """
 
     spec: CacheSpec = struct.field(pytree_node=False)
@@ -71,6 +77,8 @@ class Step(struct.PyTreeNode):
     q_rot_sink: jax.Array
     q_rot: jax.Array
     k_shift: jax.Array
+    keep_pos: jax.Array | None = None
+    keep_rot: jax.Array | None = None
 
 
 ReadView = Step  # the name before the three-call contract (deprecated)
@@ -84,6 +92,7 @@ class LayerKV(struct.PyTreeNode):
       sink_k, sink_v: ``[L, B, K, S0, H]`` in the storage's container dtype (None without sinks).
       ring_k, ring_v: ``[L, B, K, R, H]``, the window (float storage) or the KIVI residual.
       store: the storage's compressed store without its positions (KIVI :class:`QuantRing`), or None.
+      keep: the keep tier's keys and values (:class:`KeepTier` without its per-row arrays), or None.
     """
 
     sink_k: jax.Array | None
@@ -91,6 +100,7 @@ class LayerKV(struct.PyTreeNode):
     ring_k: jax.Array
     ring_v: jax.Array
     store: QuantRing | None
+    keep: KeepTier | None = None
 
 
 @struct.dataclass
@@ -118,6 +128,7 @@ class KVCache:
     ring_v: jax.Array
     ring_pos: jax.Array
     quant: QuantRing | None
+    keep: KeepTier | None = None
     batch_sharded: bool = struct.field(pytree_node=False, default=False)
 
     # ---- construction ------------------------------------------------------------------------
@@ -160,6 +171,9 @@ class KVCache:
             return jnp.full((batch, n), -1, jnp.int32)
 
         store = storage.create_store(spec.policy, lbk=lbk, head_dim=head_dim, batch=batch)
+        retention = spec.policy.retention
+        keep = None if retention is None else retention.create(lbk=lbk, head_dim=head_dim, batch=batch, ring=spec.n_ring,
+                                                               store=spec.n_quant)
         has_sink = spec.n_sink > 0
         return cls(
             spec=spec,
@@ -171,6 +185,7 @@ class KVCache:
             ring_v=slots(spec.n_ring, values=True),
             ring_pos=empty_pos(spec.n_ring),
             quant=store,
+            keep=keep,
         )
 
     def starting_at(self, position: int) -> "KVCache":
@@ -213,19 +228,20 @@ class KVCache:
     def positions(self) -> list:
         """The per-slot position arrays ``int32[B, S]`` of every segment that exists."""
         pos = [p for p in (self.sink_pos, self.ring_pos) if p is not None]
-        return pos + ([self.quant.pos] if self.quant is not None else [])
+        return pos + [part.pos for part in (self.quant, self.keep) if part is not None]
 
     def stored(self) -> jax.Array:
-        """int32[B]: tokens each row holds now (sinks + window/residual + quantised)."""
+        """int32[B]: tokens each row holds now (sinks + window/residual + quantised + keep tier)."""
         return sum(jnp.sum(p >= 0, axis=1) for p in self.positions()).astype(jnp.int32)
 
     # ---- the model contract: begin, attend per layer, commit ------------------------------------
     def begin(self, n: jax.Array, chunk: int) -> tuple["KVCache", Step]:
         """Start a model call that appends up to ``n[b]`` of ``chunk`` (T) tokens per row.
 
-        Admits what the policy allows (a full cache never overflows), lets the storage
-        flush before anything is read (KIVI: a full residual is quantised first), and
-        computes the positions and RoPE offsets every layer shares.
+        Admits what the policy allows (a full cache never overflows), moves the tokens that
+        leave the window in this call into a keep tier by its rule (:mod:`jaxkv.cache.retention`),
+        lets the storage flush before anything is read (KIVI: a full residual is quantised
+        first), and computes the positions and RoPE offsets every layer shares.
 
         Args:
           n: int32[B] tokens offered per row (0 = the row sits this call out).
@@ -235,15 +251,24 @@ class KVCache:
           :func:`jaxkv.cache.attention.attend` and to :meth:`commit`.
         """
         n = self.policy.admit(self.length, n)
-        cache = self.storage.flush_ring(self, n)
+        cache = self
+        retention = self.policy.retention
+        if retention is not None and retention.slots:
+            cache = cache.replace(keep=retention.admit(cache.keep, self.storage.leaving(cache, n, chunk)))
+        cache = self.storage.flush_ring(cache, n)
         return cache, cache._step(n, _query_positions(cache.length, n, chunk))
 
     def _step(self, n, q_pos) -> Step:
-        q_rot_sink, q_rot, k_shift = self.policy.rope_offsets(q_pos)
+        keep_pos = keep_rot = n_keep = None
+        if self.keep is not None:
+            keep_pos = self.keep.pos
+            n_keep = jnp.sum(keep_pos >= 0, axis=1).astype(jnp.int32)
+            keep_rot = self.policy.retention.ranks(keep_pos, self.policy.sink) if self.policy.rope_at_rank else keep_pos
+        q_rot_sink, q_rot, k_shift = self.policy.rope_offsets(q_pos, n_keep)
         return Step(
             spec=self.spec, n=n, q_pos=q_pos, sink_pos=self.sink_pos, ring_pos=self.ring_pos,
             store_pos=None if self.quant is None else self.quant.pos,
-            q_rot_sink=q_rot_sink, q_rot=q_rot, k_shift=k_shift,
+            q_rot_sink=q_rot_sink, q_rot=q_rot, k_shift=k_shift, keep_pos=keep_pos, keep_rot=keep_rot,
         )
 
     def layers(self) -> LayerKV:
@@ -252,6 +277,7 @@ class KVCache:
         return LayerKV(
             sink_k=self.sink_k, sink_v=self.sink_v, ring_k=self.ring_k, ring_v=self.ring_v,
             store=None if self.quant is None else self.quant.replace(pos=None),
+            keep=None if self.keep is None else self.policy.retention.layer_view(self.keep),
         )
 
     def runs(self, step: Step) -> list[tuple[int, int, Step, LayerKV]]:
@@ -259,7 +285,7 @@ class KVCache:
         :meth:`jaxkv.cache.layered.LayeredCache.runs`, whose form a model can loop over)."""
         return [(0, self.n_layers, step, self.layers())]
 
-    def commit(self, step: Step, k_new: jax.Array, v_new: jax.Array) -> "KVCache":
+    def commit(self, step: Step, k_new: jax.Array, v_new: jax.Array, *, mass=None, token_score=None) -> "KVCache":
         """Write each row's first ``step.n[b]`` new keys/values and advance its length.
 
         Args:
@@ -267,12 +293,33 @@ class KVCache:
           k_new, v_new: ``[L, B, K, T, H]``, the ``k_store``/``v_store`` that
             :func:`jaxkv.cache.attention.attend` returned for every layer, stacked on L
             (keys after RoPE in ``absolute`` mode, before RoPE in ``cache`` mode).
+          mass: a cache whose keep tier ranks tokens by the attention they receive
+            (``keep_score`` h2o or tova): the :class:`Mass` that ``attend(..., mass=True)``
+            returned for every layer, stacked on L (or a one-entry list of it: one per run of
+            :meth:`runs`). Ignored (may be None) otherwise.
+          token_score: float32[B, T], a SnapKV replay's observation score of each new token.
+        Raises:
+          JaxkvError: ``mass`` missing where the keep tier needs it.
         A row's chunk never crosses the sink/window boundary nor a lazy flush
         (:meth:`jaxkv.cache.policy.Policy.plan_chunk` guarantees it; decode steps of one
         token always satisfy it).
         """
         n, pos = step.n, step.q_pos
         in_sink, sink_slot, ring_slot = self.policy.write_slots(self.length, self.spec.n_ring)
+        retention = self.policy.retention
+        keep = self.keep
+        if retention is not None:
+            if isinstance(mass, (list, tuple)) and not isinstance(mass, Mass):
+                mass = mass[0] if len(mass) == 1 else mass
+            if retention.attention_scored and not isinstance(mass, Mass):
+                raise JaxkvError(f"this cache's keep tier ({retention.describe()}) ranks tokens by the attention they "
+                                 "receive: call attend(..., mass=True) in every layer and pass "
+                                 "commit(step, k_new, v_new, mass=the masses stacked on L)")
+            if isinstance(mass, Mass):
+                mass = jax.tree.map(lambda m: jnp.sum(m, axis=0), mass)  # summed over layers
+            keep = retention.rescore(self.keep, ring_slot=ring_slot, n=jnp.where(in_sink, 0, n), chunk=k_new.shape[3],
+                                     mass=mass if retention.attention_scored else None, token_score=token_score,
+                                     batch_parallel=self.batch_sharded)
         kv = dict(batch_axis=1, slot_axis=3, batch_parallel=self.batch_sharded)
         pos_axes = dict(batch_axis=0, slot_axis=1, batch_parallel=self.batch_sharded)
         k_new, v_new = self.storage.to_container(k_new), self.storage.to_container(v_new, values=True)
@@ -290,7 +337,7 @@ class KVCache:
             ring_v=write_ring(self.ring_v, v_new, ring_slot, nr, **kv),
             ring_pos=write_ring(self.ring_pos, pos, ring_slot, nr, **pos_axes),
         )
-        return self.replace(length=self.length + n, **new)
+        return self.replace(length=self.length + n, keep=keep, **new)
 
     # ---- the six-call protocol before the three-call contract (deprecated) ------------------------
     def admit(self, n: jax.Array) -> jax.Array:

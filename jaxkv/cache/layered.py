@@ -103,8 +103,11 @@ class LayeredCache:
         over ``jax.tree.map(lambda a: a[i], layers)`` with that run's ``step``."""
         return [(a, b, s, g.layers()) for (_, a, b), s, g in zip(self.spec.runs, step.steps, self.groups)]
 
-    def commit(self, step: LayeredStep, k_new: jax.Array, v_new: jax.Array) -> "LayeredCache":
-        """Write the new keys/values ``[L, B, K, T, H]`` of every layer (all L, in layer order)."""
+    def commit(self, step: LayeredStep, k_new: jax.Array, v_new: jax.Array, *, mass=None) -> "LayeredCache":
+        """Write the new keys/values ``[L, B, K, T, H]`` of every layer (all L, in layer order);
+        ``mass``: one entry per run (see :meth:`KVCache.commit`), or None."""
+        masses = [None] * len(self.groups) if mass is None else list(mass)
         return self.replace(groups=tuple(
-            g.commit(s, k_new[a:b], v_new[a:b]) for (_, a, b), s, g in zip(self.spec.runs, step.steps, self.groups)
+            g.commit(s, k_new[a:b], v_new[a:b], mass=m)
+            for (_, a, b), s, g, m in zip(self.spec.runs, step.steps, self.groups, masses)
         ))

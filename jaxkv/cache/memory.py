@@ -10,7 +10,7 @@ import numpy as np
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.layered import LayeredCache
 
-GROUPS = ("sinks", "window", "slots", "residual", "codes", "scales_zeros", "bookkeeping")
+GROUPS = ("sinks", "window", "slots", "residual", "codes", "scales_zeros", "keep", "bookkeeping")
 
 
 def format_bytes(n: float) -> str:
@@ -92,6 +92,8 @@ def element_bits(cache) -> tuple[float | None, float]:
         per_slot = 2 * int(np.prod(part.ring_k.shape)) // part.ring_k.shape[3]  # K and V elements of one token slot
         ring = nbytes([part.sink_k, part.sink_v, part.ring_k, part.ring_v])
         store = 0 if part.quant is None else nbytes(jax.tree.leaves(part.quant.replace(pos=None)))
+        if part.keep is not None:  # the keep tier's keys and values count with the whole cache
+            ring += nbytes(jax.tree.leaves(part.policy.retention.layer_view(part.keep)))
         slots = 0 if part.quant is None else part.quant.pos.shape[1]
         store_bytes, store_elements = store_bytes + store, store_elements + per_slot * slots
         total_bytes, total_elements = total_bytes + ring + store, total_elements + per_slot * part.spec.capacity
@@ -135,6 +137,10 @@ def memory_report(cache: KVCache | LayeredCache) -> MemoryReport:
         if part.quant is not None:
             for group, leaves, pos in part.storage.memory_groups(part.quant):
                 add(group, leaves, pos)
+        if part.keep is not None:
+            for group, leaves, pos in part.policy.retention.memory_groups(part.keep):
+                add(group, leaves, pos)
+            book += sum(int(x.nbytes) for x in (part.keep.score, part.keep.ring_score) if x is not None)
         book += sum(int(x.nbytes) for x in [part.length] + part.positions())
     allocated["bookkeeping"] = live["bookkeeping"] = book
     store_bits, bits = element_bits(cache)

@@ -31,6 +31,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.cache.retention import Retention
+
 POSITION_MODES = ("absolute", "cache")
 
 
@@ -48,6 +50,7 @@ class Policy:
       flush: tokens a lazily flushing storage moves at a time (KIVI residual R), 0 = none.
       attention_window: A > 0: queries see only the last A positions (a model's local
         sliding-window layer), whatever else is stored; 0 = no such limit.
+      retention: None, or the keep tier of tokens leaving the window (:mod:`jaxkv.cache.retention`).
     """
 
     sink: int = 0
@@ -55,6 +58,7 @@ class Policy:
     pre_rope: bool = False
     flush: int = 0
     attention_window: int = 0
+    retention: Retention | None = None
 
     # ---- sizes (static Python ints) ------------------------------------------------------------
     token_limit = None  # most tokens a row may append (None = unbounded)
@@ -87,30 +91,44 @@ class Policy:
             mask &= p > q - self.attention_window
         return mask
 
-    def rank(self, q):
+    def kept_visible(self, q, p):
+        """bool mask of the keep tier (:mod:`jaxkv.cache.retention`): a kept token is visible to
+        every query whose window it has left (a prefill chunk's early queries still see the
+        chunk's leaving tokens in the window), ``q``/``p`` as in :meth:`visible`."""
+        mask = (q >= 0) & (p >= 0) & (p < self.window_start(q))
+        if self.attention_window:
+            mask &= p > q - self.attention_window
+        return mask
+
+    def rank(self, q, n_keep=0):
         """Rank of query ``q`` in its own retained set (StreamingLLM §3.2 position in the cache).
 
-        Sinks are ranks ``0..S0-1``, then the window oldest first, so ``rank(q) = q`` for
-        ``q < S0`` and ``S0 + q - window_start(q)`` otherwise.
+        Sinks are ranks ``0..S0-1``, then the ``n_keep`` (int32[B, 1] or 0) tokens of a keep
+        tier, then the window oldest first, so ``rank(q) = q`` for ``q < S0`` and
+        ``S0 + n_keep + q - window_start(q)`` otherwise.
         """
-        return jnp.where(q < self.sink, q, self.sink + q - self.window_start(q))
+        return jnp.where(q < self.sink, q, self.sink + n_keep + q - self.window_start(q))
 
-    def rope_offsets(self, q_pos):
+    def rope_offsets(self, q_pos, n_keep=None):
         """RoPE positions of one chunk: ``(q_rot_sink int32[B, T], q_rot int32[B, T], k_shift int32[B])``.
 
         In ``cache`` mode a key's RoPE position is its rank in the query's retained set.
         Only ``rank(q) - rank(p)`` matters, so window keys are rotated at ``p - k_shift``
         (their exact rank for the chunk's last query) and queries at ``q - k_shift``; sink
-        keys at ``p`` and queries at ``rank(q)``. Each query of a chunk thus sees the ranks
-        of its own retained set. In ``absolute`` mode everything uses absolute positions
-        (``k_shift = 0``), whether keys are stored before or after RoPE.
+        and keep-tier keys at their rank and queries at ``rank(q)``. Each query of a chunk
+        thus sees the ranks of its own retained set. In ``absolute`` mode everything uses
+        absolute positions (``k_shift = 0``), whether keys are stored before or after RoPE.
+
+        Args:
+          q_pos: int32[B, T]. n_keep: None, or int32[B], the tokens in each row's keep tier.
         """
         if not self.rope_at_rank:
             return q_pos, q_pos, jnp.zeros(q_pos.shape[:1], jnp.int32)
+        kept = jnp.zeros(q_pos.shape[:1], jnp.int32) if n_keep is None else n_keep
         last = jnp.maximum(jnp.max(q_pos, axis=1), 0)
-        k_shift = self.window_start(last) - self.sink
+        k_shift = self.window_start(last) - self.sink - kept
         q_rot = jnp.where(q_pos >= 0, q_pos - k_shift[:, None], 0)
-        q_rot_sink = jnp.where(q_pos >= 0, self.rank(q_pos), 0)
+        q_rot_sink = jnp.where(q_pos >= 0, self.rank(q_pos, kept[:, None]), 0)
         return q_rot_sink, q_rot, k_shift
 
     # ---- appends ----------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ import numpy as np
 
 from jaxkv.cache.kivi_storage import BITS, KiviStorage
 from jaxkv.cache.policy import POSITION_MODES, FullCache, Policy, StreamingLLM
+from jaxkv.cache.retention import RULES as KEEP_RULES
+from jaxkv.cache.retention import Retention
 from jaxkv.cache.storage import FLOAT_DTYPES, FloatStorage, Storage
 from jaxkv.errors import INT32_LIMIT, CacheSpecError, JaxkvError, int_problem
 
@@ -109,6 +111,16 @@ class CacheSpec:
         folded into attention's read. Quantised (int*) sides only, a head_dim that is a power of
         two, and rotated keys need keys stored after RoPE (``positions="absolute"``, no
         ``pre_rope_keys``): a pre-RoPE key would have to be rotated back for every read.
+      keep: C, slots of a *keep tier* for tokens leaving the window (0: none, StreamingLLM
+        drops them); a StreamingLLM cache (:mod:`jaxkv.cache.retention`).
+      keep_score: which leaving tokens the tier keeps: ``recent`` (the last C: tiered
+        retention), ``h2o`` (most attention received), ``tova`` (most attention from the latest
+        query) or ``snapkv`` (most attention from the prompt's last tokens, chosen at the end
+        of the prompt's prefill). On a full cache (``keep=0``), ``h2o`` only tracks the scores
+        (SnapKV's observation pass).
+      keep_quantize: the tier's storage, fp32|fp16|bf16|int8|int4|int2 (int*: per-token codes
+        of keys and values; a float window only); None: the window's float mode (a KIVI
+        window: ``residual_dtype``, its evicted codes dequantised once).
 
     Raises:
       JaxkvError: on any value outside the accepted ranges (the message names it).
@@ -128,13 +140,17 @@ class CacheSpec:
     residual_dtype: str = "float32"
     pre_rope_keys: bool = False
     hadamard: str = "none"
+    keep: int = 0
+    keep_score: str = "recent"
+    keep_quantize: str | None = None
 
     def __post_init__(self):
         for name, accepted in (("kv_quantize", KV_MODES), ("k_quantize", KV_MODES), ("v_quantize", KV_MODES),
                                ("positions", POSITION_MODES), ("scale_dtype", SCALE_DTYPES),
-                               ("residual_dtype", RESIDUAL_DTYPES), ("hadamard", tuple(HADAMARD_SIDES))):
+                               ("residual_dtype", RESIDUAL_DTYPES), ("hadamard", tuple(HADAMARD_SIDES)),
+                               ("keep_score", KEEP_RULES), ("keep_quantize", KV_MODES)):
             value = getattr(self, name)
-            if value is None and name in ("k_quantize", "v_quantize"):
+            if value is None and name in ("k_quantize", "v_quantize", "keep_quantize"):
                 continue
             if not isinstance(value, str) or value not in accepted:
                 self._refuse(f"{{{name}}}: expected one of {', '.join(accepted)}")
@@ -158,7 +174,7 @@ class CacheSpec:
             self._refuse(f"{{residual_dtype}} is for a quantised cache (int8, int4 or int2 keys or values): this one "
                          f"stores keys as {k} and values as {v}, sinks and window included")
         for name, minimum in (("sink", 0), ("max_len", 1), ("window", 1), ("attention_window", 1),
-                              ("group_size", 1), ("residual", 1)):
+                              ("group_size", 1), ("residual", 1), ("keep", 0)):
             value = getattr(self, name)
             if value is None and name in ("max_len", "window", "attention_window"):
                 continue
@@ -181,6 +197,7 @@ class CacheSpec:
                               "StreamingLLM keeps a few sinks (e.g. 4) before a much larger window", stacklevel=3)
         if self.quantized:
             self._check_groups()
+        self._check_keep()
         if self.capacity >= INT32_LIMIT:
             sizes = "{sink} + {window}" if self.bounded else "{max_len}"
             self._refuse(sizes + (" + {residual}" if self.quantized else "")
@@ -189,6 +206,25 @@ class CacheSpec:
 
     def _refuse(self, template: str, *, prefix: str = "CacheSpec."):
         raise CacheSpecError(template, {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, prefix=prefix)
+
+    def _check_keep(self):
+        """The keep tier: a StreamingLLM cache with a float window; a full cache only tracks h2o scores."""
+        if self.keep_quantize == self._window_float:
+            object.__setattr__(self, "keep_quantize", None)  # the window's own mode: one canonical spec
+        if self.keep:
+            if self.window is None:
+                self._refuse("{keep} keeps tokens that leave a window, but this is a full cache (it keeps every "
+                             "token): pass {window:=W}, or {keep:=0}")
+            if self.quantized and self.keep_quantize in QUANT_MODES:
+                self._refuse("{keep_quantize} would quantise a KIVI window's tokens a second time as they leave it "
+                             "(a code is quantised once): keep the tier in float ({keep_quantize:=None}, the "
+                             "residual's dtype), or quantise a float window's tier")
+        elif self.keep_score != "recent" and self.window is not None:
+            self._refuse("{keep_score} chooses the tokens of a keep tier, but {keep} keeps none: pass {keep:=C} slots")
+        elif self.keep_score not in ("recent", "h2o"):
+            self._refuse("{keep_score} on a full cache: only h2o (tracking attention scores) applies to one")
+        if self.keep_quantize is not None and not self.keep:
+            self._refuse("{keep_quantize} is the keep tier's storage, but {keep} keeps none: pass {keep:=C} slots")
 
     def _check_groups(self):
         """KIVI: R a multiple of G, W a multiple of G, R <= W; each refusal names the nearest valid values."""
@@ -223,10 +259,34 @@ class CacheSpec:
     def policy(self) -> Policy:
         """The :class:`jaxkv.cache.policy.Policy`: a full cache or StreamingLLM sinks + window."""
         common = dict(sink=self.sink, positions=self.positions, pre_rope=self.pre_rope_keys, flush=self.storage.flush,
-                      attention_window=self.attention_window or 0)
+                      attention_window=self.attention_window or 0, retention=self.retention)
         if self.window is None:
             return FullCache(max_len=self.max_len, **common)
         return StreamingLLM(window=self.window, **common)
+
+    @functools.cached_property
+    def retention(self) -> Retention | None:
+        """The keep tier's :class:`jaxkv.cache.retention.Retention` (None without one)."""
+        if not self.keep and self.keep_score == "recent":
+            return None
+        kind = self.keep_quantize or self._window_float
+        return Retention(slots=self.keep, rule=self.keep_score, kind=kind, scale_dtype=self.scale_dtype)
+
+    @property
+    def _window_float(self) -> str:
+        """The float mode of the window's full-precision tokens (a KIVI window: its residual's)."""
+        if self.quantized:
+            return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.residual_dtype]
+        return self.kv_modes[0]
+
+    def observer(self, max_len: int) -> "CacheSpec":
+        """The full cache of ``max_len`` slots that SnapKV's observation pass prefills a prompt
+        into (SnapKV §4.2): this spec's float window mode and positions, every token kept,
+        the attention each slot receives tracked (``keep_score="h2o"``); its prompt is then
+        replayed into a cache of this spec (:func:`jaxkv.decode.loop.prefill`)."""
+        k, v = self.kv_modes
+        return CacheSpec(max_len=max_len, kv_quantize=v, k_quantize=k, positions=self.positions,
+                         pre_rope_keys=self.pre_rope_keys, keep_score="h2o")
 
     def local(self, window: int) -> "CacheSpec":
         """This spec for a model's local attention layer over its last ``window`` tokens
@@ -246,7 +306,8 @@ class CacheSpec:
         if self.window is None and self.max_len is not None:
             kept = min(kept, self.max_len)
         try:
-            return dataclasses.replace(self, sink=0, window=kept, max_len=None, attention_window=window)
+            return dataclasses.replace(self, sink=0, window=kept, max_len=None, attention_window=window, keep=0,
+                                       keep_score="recent", keep_quantize=None)
         except JaxkvError as e:
             raise JaxkvError(f"the model's local layers keep its sliding window of {window} tokens: {e}") from None
 
@@ -289,8 +350,8 @@ class CacheSpec:
 
     @property
     def capacity(self) -> int:
-        """C: token slots allocated per row and layer (sinks + ring + quantised ring)."""
-        return self.n_sink + self.n_ring + self.n_quant
+        """C: token slots allocated per row and layer (sinks + ring + quantised ring + keep tier)."""
+        return self.n_sink + self.n_ring + self.n_quant + self.keep
 
     @property
     def token_limit(self) -> int | None:
@@ -308,6 +369,8 @@ class CacheSpec:
         if self.attention_window is not None:
             shape += f" (local attention over {self.attention_window})"
         keys = ", pre-RoPE keys" if self.pre_rope_keys and self.positions == "absolute" else ""
+        if self.keep:
+            shape += f" + {self.retention.describe()}"
         return f"{shape}, {self.storage.describe()}, positions={self.positions}{keys}"
 
 

@@ -51,6 +51,24 @@ class Segment(NamedTuple):
     value_rotation: jax.Array | None = None
 
 
+class Leaving(NamedTuple):
+    """The tokens that leave a cache's window in one call (:meth:`Storage.leaving`), for a keep tier
+    (:mod:`jaxkv.cache.retention`).
+
+    Attributes:
+      k, v: float32[L, B, K, M, H], their keys and values as the window held them.
+      pos: int32[B, M], their positions, -1 = no token (in order: the oldest first).
+      slots: int32[B, M], the slots they leave (of the ring, or of ``store``'s array).
+      store: None (they leave the ring: scores in ``ring_score``) or the tier's ``store_score``.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+    slots: jax.Array
+    store: jax.Array | None = None
+
+
 def as_container(x, dtype):
     """``x`` cast to the float ``dtype`` of a cache leaf, bfloat16 held as int16 bit patterns
     (see :meth:`Storage.to_container`); :meth:`Storage.read` undoes it."""
@@ -119,6 +137,18 @@ class Storage:
     def segments(self, store, pos, dtype) -> list:
         """One layer of the store as attention :class:`Segment` s."""
         return []
+
+    def leaving(self, cache, n, chunk: int):
+        """The tokens that leave the window when rows append ``n[b]`` tokens (T = ``chunk``):
+        those in the ring slots the write will overwrite, for a storage that writes every token
+        into its window. Returns a :class:`Leaving`."""
+        in_sink, _, ring_slot = cache.policy.write_slots(cache.length, cache.spec.n_ring)
+        r = cache.ring_pos.shape[1]
+        j = jnp.arange(min(chunk, r), dtype=jnp.int32)
+        slots = (ring_slot[:, None] + j[None]) % r  # [B, M]
+        pos = jnp.where(j[None] < jnp.where(in_sink, 0, n)[:, None], jnp.take_along_axis(cache.ring_pos, slots, axis=1), -1)
+        take = lambda x: self.read(jnp.take_along_axis(x, slots[None, :, None, :, None], axis=3)).astype(jnp.float32)  # noqa: E731
+        return Leaving(take(cache.ring_k), take(cache.ring_v), pos, slots)
 
     def memory_groups(self, store) -> list:
         """``[(group, leaves, pos)]`` of the store for the memory report."""

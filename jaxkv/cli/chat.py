@@ -138,7 +138,7 @@ def run(args) -> None:
     flags = dict(streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize="fp32",
                  kv_group_size=None, kv_residual=None, positions="cache",  # None: resolved by kivi_flags
                  kv_quantize_k=None, kv_quantize_v=None, kv_residual_dtype=None,  # None: CacheSpec's
-                 kv_pre_rope=None, kv_hadamard=None,
+                 kv_pre_rope=None, kv_hadamard=None, kv_keep=None, kv_keep_score=None, kv_keep_quantize=None,
                  kv_boost_layers=None, kv_boost_quantize=None)  # None: boosted_spec's
     given = {k for k in flags if getattr(args, k) is not None}
     ns = copy.copy(args)
@@ -163,7 +163,9 @@ def run(args) -> None:
         spec = default_cache_spec(model.config, kv_quantize=ns.kv_quantize, group_size=group_size,
                                   residual=residual, positions=ns.positions, k_quantize=ns.kv_quantize_k,
                                   v_quantize=ns.kv_quantize_v, residual_dtype=ns.kv_residual_dtype or "float32",
-                                  pre_rope_keys=bool(ns.kv_pre_rope), hadamard=ns.kv_hadamard or "none")
+                                  pre_rope_keys=bool(ns.kv_pre_rope), hadamard=ns.kv_hadamard or "none",
+                                  keep=ns.kv_keep or 0, keep_score=ns.kv_keep_score or "recent",
+                                  keep_quantize=ns.kv_keep_quantize)
     if spec is not None:
         spec = boosted_spec(ns, spec, model.config.n_layers)
     path = args.cache_file

@@ -113,6 +113,16 @@ def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str]
     g.add_argument("--kv-hadamard", default=None, metavar="SIDES",
                    help="none|values|keys|both: quantise those int* sides rotated by an orthonormal Hadamard matrix "
                         "per head, folded into attention (keys: only with keys stored after RoPE) (default: none)")
+    g.add_argument("--kv-keep", type=int, default=None, metavar="C",
+                   help="a keep tier of C slots for tokens leaving the window, chosen by --kv-keep-score "
+                        "(needs --streaming-llm-window) (default: 0, StreamingLLM drops them)")
+    g.add_argument("--kv-keep-score", default=None, metavar="RULE",
+                   help="recent|h2o|tova|snapkv: which leaving tokens the tier keeps: the last C (tiered "
+                        "retention), the most attention received (H2O), from the latest query (TOVA), or from "
+                        "the prompt's last 32 tokens (SnapKV, chosen at the end of the prompt) (default: recent)")
+    g.add_argument("--kv-keep-quantize", default=None, metavar="MODE",
+                   help="the keep tier's storage, fp32|fp16|bf16|int8|int4|int2 (int*: per-token codes; a float "
+                        "window only) (default: the window's float mode)")
     g.add_argument("--kv-group-size", type=int, default=None, metavar="G",
                    help=f"KIVI tokens per per-channel key group {default('kv_group_size', str(CacheSpec.group_size))}; "
                         "a window that is not a multiple of G is rounded down, with a note")
@@ -133,7 +143,8 @@ def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str]
 CACHE_FLAGS = {"max_len": "--max-len", "sink": "--streaming-llm-sink", "window": "--streaming-llm-window",
                "kv_quantize": "--kv-quantize", "group_size": "--kv-group-size", "residual": "--kv-residual",
                "positions": "--positions", "k_quantize": "--kv-quantize-k", "v_quantize": "--kv-quantize-v",
-               "residual_dtype": "--kv-residual-dtype", "pre_rope_keys": "--kv-pre-rope", "hadamard": "--kv-hadamard"}
+               "residual_dtype": "--kv-residual-dtype", "pre_rope_keys": "--kv-pre-rope", "hadamard": "--kv-hadamard",
+               "keep": "--kv-keep", "keep_score": "--kv-keep-score", "keep_quantize": "--kv-keep-quantize"}
 FLAGS = {**CACHE_FLAGS, "batch": "--batch-size"}
 
 
@@ -245,6 +256,9 @@ def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) 
         residual_dtype=_given(args, "residual_dtype") or CacheSpec.residual_dtype,
         pre_rope_keys=bool(_given(args, "pre_rope_keys")),
         hadamard=_given(args, "hadamard") or CacheSpec.hadamard,
+        keep=_given(args, "keep") or 0,
+        keep_score=_given(args, "keep_score") or CacheSpec.keep_score,
+        keep_quantize=_given(args, "keep_quantize"),
         group_size=group,
         residual=residual,
         positions=args.positions,

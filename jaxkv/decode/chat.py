@@ -93,6 +93,9 @@ def default_cache_spec(
     residual_dtype: str = "float32",
     pre_rope_keys: bool = False,
     hadamard: str = "none",
+    keep: int = 0,
+    keep_score: str = "recent",
+    keep_quantize: str | None = None,
 ) -> CacheSpec:
     """The chat's default cache: a StreamingLLM cache that never runs out.
 
@@ -102,8 +105,9 @@ def default_cache_spec(
     context). With KIVI the residual counts towards the retained tokens and the window is
     rounded down to a multiple of ``group_size``. ``positions="cache"`` keeps RoPE
     positions below the retained count (StreamingLLM §3.2), hence inside the model's context.
-    ``k_quantize``, ``v_quantize``, ``residual_dtype``, ``pre_rope_keys``, ``hadamard``: as
-    :class:`CacheSpec` takes them.
+    ``k_quantize``, ``v_quantize``, ``residual_dtype``, ``pre_rope_keys``, ``hadamard``, ``keep``,
+    ``keep_score``, ``keep_quantize``: as :class:`CacheSpec` takes them (a keep tier's slots come
+    on top of the window).
 
     Raises:
       JaxkvError: sizes that leave no valid window (the message names them).
@@ -120,7 +124,8 @@ def default_cache_spec(
             + (f" and residual={residual}" if storage.flush else "")
             + "; pass --streaming-llm-window M (CacheSpec(window=M)) explicitly"
         )
-    return CacheSpec(sink=sink, window=window, group_size=group_size, residual=residual, positions=positions, **modes)
+    return CacheSpec(sink=sink, window=window, group_size=group_size, residual=residual, positions=positions,
+                     keep=keep, keep_score=keep_score, keep_quantize=keep_quantize, **modes)
 
 
 @dataclasses.dataclass(frozen=True)

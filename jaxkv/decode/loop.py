@@ -33,10 +33,11 @@ from jax import lax
 
 from jaxkv.cache.kv import KVCache, cache_bytes
 from jaxkv.cache.memory import element_bits
+from jaxkv.cache.retention import OBSERVE, pooled
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.decode import parallel
 from jaxkv.decode.sampler import Sampler, prng_keys
-from jaxkv.errors import CacheFullError
+from jaxkv.errors import CacheFullError, JaxkvError
 from jaxkv.io import LoadedModel
 from jaxkv.models.step import forward
 
@@ -227,6 +228,9 @@ def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]]
     """
     spec = cache.spec
     lengths = to_host(cache.length).astype(np.int64)
+    retention = getattr(spec.policy, "retention", None)
+    if retention is not None and retention.rule == "snapkv" and not np.any(lengths):
+        return _observed_prefill(model, cache, prompts, chunk=chunk)
     counts = np.array([len(p) for p in prompts], np.int64)
     if spec.token_limit is not None and np.any(lengths + counts > spec.token_limit):
         worst = int(np.max(lengths + counts))
@@ -240,6 +244,43 @@ def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]]
         finished = jnp.asarray((c.n > 0) & (c.remaining == c.n))
         last = logits[:, 0] if last is None else jnp.where(finished[:, None], logits[:, 0], last)
     return cache, last
+
+
+def _observed_prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]], *, chunk: int):
+    """SnapKV's prefill (Li et al. 2024, arXiv 2404.14469, §4.2-4.3) of an empty ``cache`` whose
+    keep tier is ``snapkv``: each prompt is prefilled with full attention into an observer
+    cache (:meth:`CacheSpec.observer`), the attention its last :data:`~jaxkv.cache.retention.OBSERVE`
+    tokens give every earlier token is summed over layers, heads and those queries and max-pooled
+    (:func:`~jaxkv.cache.retention.pooled`), and the prompt's keys and values are replayed into
+    ``cache`` in order, each leaving the window with that score: the tier keeps the highest.
+    The logits are the full-attention prefill's. Returns ``(cache, logits float32[B, V])``."""
+    if not isinstance(cache, KVCache):
+        raise JaxkvError("keep_score=snapkv with per-layer cache specs (a model with local attention layers, or "
+                         "--kv-boost-layers) is not supported: use h2o, tova or recent there")
+    counts = np.array([len(p) for p in prompts], np.int64)
+    observer = new_cache(model.config, cache.spec.observer(full_cache_len(int(np.max(counts)))), cache.batch)
+    split = [max(len(p) - OBSERVE, 0) for p in prompts]
+    if any(split):
+        observer, _ = prefill(model, observer, [p[:s] for p, s in zip(prompts, split)], chunk=chunk)
+    observer = observer.replace(keep=observer.keep.replace(ring_score=jnp.zeros_like(observer.keep.ring_score)))
+    observer, logits = prefill(model, observer, [p[s:] for p, s in zip(prompts, split)], chunk=chunk)
+    score = pooled(observer.keep.ring_score, observer.length)
+    t = chunk_len(cache.spec, int(np.max(counts)), chunk)
+    for c in plan_chunks(cache.spec, np.zeros_like(counts), counts, t):
+        cache = _replay_chunk(cache, observer.ring_k, observer.ring_v, score, jnp.asarray(c.offsets, jnp.int32),
+                              jnp.asarray(c.n), t)
+    return cache, logits
+
+
+@functools.partial(jax.jit, static_argnums=(6,), donate_argnames=("cache",))
+def _replay_chunk(cache, ring_k, ring_v, score, offsets, n, t):
+    """Append slots ``offsets[b] + j`` (j < ``n[b]``) of an observer cache's keys/values
+    ``[L, B, K, S, H]`` and scores ``float32[B, S]`` to ``cache`` (a SnapKV replay)."""
+    idx = jnp.minimum(offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None], score.shape[1] - 1)
+    take = lambda x: jnp.take_along_axis(x, idx[None, :, None, :, None], axis=3)  # noqa: E731
+    cache, step = cache.begin(n, t)
+    read = cache.storage.read  # bf16 held as int16 bit patterns: their values, not a cast
+    return cache.commit(step, take(read(ring_k)), take(read(ring_v)), token_score=jnp.take_along_axis(score, idx, axis=1))
 
 
 def warm_prefill(model: LoadedModel, cache: KVCache, n_prompt: int, chunk: int = 128) -> float:

@@ -485,8 +485,11 @@ class Llama(nnx.Module):
                     q, k = rms_norm(q, w["q_norm"], c.norm_eps), rms_norm(k, w["k_norm"], c.norm_eps)
                 if kv_hook is not None:
                     k, v = kv_hook(k, v)
-                out, k_store, v_store = attend(step, kv, q, k, v, rope=rope, scale=c.query_scale, softcap=c.attn_softcap)
-                return dense(out.reshape(b, t, c.n_heads * c.head_dim), w["wo"]), (k_store, v_store)
+                retention = step.spec.policy.retention
+                scored = retention is not None and retention.attention_scored
+                out, *stored = attend(step, kv, q, k, v, rope=rope, scale=c.query_scale, softcap=c.attn_softcap,
+                                      mass=scored)
+                return dense(out.reshape(b, t, c.n_heads * c.head_dim), w["wo"]), tuple(stored)
 
             def mlp(h):
                 return gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], activation), None
@@ -497,7 +500,7 @@ class Llama(nnx.Module):
 
         weights = {name: getattr(self, name)[...] for name in layer_weight_names(c)}
         kinds = c.layer_kinds
-        k_new, v_new = [], []
+        k_new, v_new, masses = [], [], []
         for first, end, run_step, run_layers in cache.runs(step):  # one run unless per-layer specs
             window = c.sliding_window if kinds[first] == "sliding_attention" else None
             if len(set(kinds[first:end])) != 1 or run_step.spec.attention_window != window:
@@ -507,10 +510,11 @@ class Llama(nnx.Module):
                                  "KVCache.create(config.cache_spec(spec), ...)")
             run_weights = weights if (first, end) == (0, c.n_layers) else jax.tree.map(lambda a: a[first:end], weights)
             body = functools.partial(layer, run_step, c.rope_for(kinds[first]))
-            x, (k_run, v_run) = lax.scan(body, x, (run_weights, run_layers))
+            x, (k_run, v_run, *mass) = lax.scan(body, x, (run_weights, run_layers))
             k_new.append(k_run)
             v_new.append(v_run)
-        cache = cache.commit(step, jnp.concatenate(k_new), jnp.concatenate(v_new))
+            masses.append(mass[0] if mass else None)
+        cache = cache.commit(step, jnp.concatenate(k_new), jnp.concatenate(v_new), mass=masses)
         if last_only:  # the last appended token of each row
             idx = jnp.maximum(step.n - 1, 0)[:, None, None]
             x = jnp.take_along_axis(x, jnp.broadcast_to(idx, (b, 1, x.shape[-1])), axis=1)
