@@ -129,6 +129,12 @@ class Retention:
         return self.rule in ("h2o", "tova")
 
     @property
+    def observes_prompt(self) -> bool:
+        """True when the tier is chosen by an observation pass over the whole prompt (``snapkv``:
+        :func:`jaxkv.decode.loop.prefill` prefills an empty cache through :meth:`CacheSpec.observer`)."""
+        return self.rule == "snapkv"
+
+    @property
     def tracked(self) -> bool:
         """True when slots carry a score (every rule but ``recent``, whose priority is the position)."""
         return self.rule != "recent"

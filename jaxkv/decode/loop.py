@@ -215,6 +215,11 @@ def prefill_chunk(graphdef, state, tokens, n, cache):
 def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]], *, chunk: int = 128):
     """Stream each row's prompt into the cache, in chunks.
 
+    An empty cache whose keep tier observes the prompt (``keep_score="snapkv"``) is filled by
+    SnapKV's observation pass and replay instead (:func:`_observed_prefill`; the logits are
+    full attention's); a cache holding earlier turns streams as any other (tokens that leave
+    the window then carry no score).
+
     Args:
       model: a :class:`LoadedModel`.
       cache: an empty (or partly filled) cache with ``B = len(prompts)`` rows (consumed).
@@ -229,7 +234,7 @@ def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]]
     spec = cache.spec
     lengths = to_host(cache.length).astype(np.int64)
     retention = getattr(spec.policy, "retention", None)
-    if retention is not None and retention.rule == "snapkv" and not np.any(lengths):
+    if retention is not None and retention.observes_prompt and not np.any(lengths):
         return _observed_prefill(model, cache, prompts, chunk=chunk)
     counts = np.array([len(p) for p in prompts], np.int64)
     if spec.token_limit is not None and np.any(lengths + counts > spec.token_limit):
