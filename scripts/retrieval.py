@@ -8,7 +8,7 @@ float16 scales and zeros; int2 40 B). The full cache is the model's own limit.
 
 Runs the passkey task (jaxkv.eval.retrieval_accuracy) at --lengths x --depths x --seeds for every
 policy and streaming perplexity (jaxkv.eval.token_nll) on --ppl-tokens of TinyStories, and writes
-docs/results/retrieval.json and one heat map per policy (docs/results/retrieval_<name>.png).
+docs/results/retrieval.json and one heat map per policy (docs/results/retrieval_policy_<name>.png).
 
     python scripts/retrieval.py                        # SmolLM2-135M-Instruct, the defaults
     python scripts/retrieval.py --lengths 1024 --depths 0.5 --seeds 1 --ppl-tokens 512   # a quick look
@@ -24,7 +24,8 @@ import time
 
 from jaxkv import CacheSpec, load_model
 from jaxkv.decode.loop import new_cache_bytes
-from jaxkv.eval import perplexity, plot_heatmap, retrieval_accuracy, token_nll
+from jaxkv.eval import perplexity, token_nll
+from jaxkv.eval.retrieval import plot_heatmap, retrieval_accuracy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "..", "shared", "data")
@@ -53,7 +54,8 @@ def main(argv=None) -> int:
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--ppl-tokens", type=int, default=4096)
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=",".join(POLICIES), help="the policies whose retrieval is measured")
+    parser.add_argument("--ppl-policies", default=",".join(POLICIES), help="the policies whose perplexity is measured")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "results"))
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -63,22 +65,22 @@ def main(argv=None) -> int:
         text = model.tokenizer.encode(f.read())[: args.ppl_tokens]  # as jaxkv ppl: BOS first if the tokenizer adds one
     os.makedirs(args.out, exist_ok=True)
     results = {}
-    for name in args.policies.split(","):
+    for name in args.ppl_policies.split(","):
         t0 = time.perf_counter()
+        spec = spec_for(name, len(text))
+        results[name] = dict(cache=spec.describe() if POLICIES[name] else "full fp16 (sized per length)",
+                             bytes=new_cache_bytes(model.config, spec_for(name, 1024), 1) if POLICIES[name] else None,
+                             ppl=perplexity(token_nll(model, text, cache=spec)), ppl_seconds=time.perf_counter() - t0)
+        print(f"{name}: ppl {results[name]['ppl']:.4f} over {len(text)} tokens, {results[name]['bytes']} bytes", flush=True)
+    for name in args.policies.split(","):
         result = retrieval_accuracy(model, lambda slots, name=name: spec_for(name, slots), "passkey", lengths, depths,
                                     args.seeds, log=lambda line: print(f"  {name}: {line}", file=sys.stderr, flush=True))
-        nll = token_nll(model, text, cache=spec_for(name, len(text)))
-        spec = spec_for(name, 1024)
-        results[name] = dict(
-            cache=spec.describe() if POLICIES[name] else "full fp16 (sized per length)",
-            bytes=new_cache_bytes(model.config, spec, 1) if POLICIES[name] else None,
-            accuracy=result.accuracy.tolist(), mean=result.accuracy.mean(axis=0).tolist(),
-            ppl=perplexity(nll), seconds=time.perf_counter() - t0, retrieval=result.to_json(),
-        )
-        plot_heatmap(result, os.path.join(args.out, f"retrieval_{name}.png"), title=f"passkey, {results[name]['cache']}")
-        print(f"{name}: mean accuracy per length {[round(100 * a) for a in results[name]['mean']]} %, "
-              f"ppl {results[name]['ppl']:.4f}, {results[name]['bytes']} bytes, {results[name]['seconds']:.0f} s")
-        print(result.table())
+        entry = results.setdefault(name, {})
+        entry.update(accuracy=result.accuracy.tolist(), mean=result.accuracy.mean(axis=0).tolist(),
+                     seconds=result.seconds, retrieval=result.to_json())
+        plot_heatmap(result, os.path.join(args.out, f"retrieval_policy_{name}.png"), title=f"passkey, {name}")
+        print(f"{name}: mean accuracy per length {[round(100 * a) for a in entry['mean']]} %, {result.seconds:.0f} s")
+        print(result.table(), flush=True)
     with open(os.path.join(args.out, "retrieval.json"), "w") as f:
         json.dump(dict(lengths=lengths, depths=depths, seeds=args.seeds, ppl_tokens=len(text), policies=results), f, indent=1)
     return 0
