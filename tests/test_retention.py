@@ -169,3 +169,20 @@ def test_tier_bytes_description_and_checkpoint_round_trip(tmp_path):
     back, _, _ = load_cache(tmp_path / "c.safetensors", new_cache(spec))
     for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_per_layer_specs_keep_their_own_tier_and_snapkv_is_refused_there():
+    """A run of layers with a keep tier (LayerSpecs) ranks by the mass of its own layers; SnapKV's
+    observation pass needs one spec for every layer and is refused by name, not streamed."""
+    from jaxkv import LayerSpecs
+    from jaxkv.decode.loop import new_cache as model_cache
+
+    loaded = tiny_loaded()
+    plain = CacheSpec(sink=2, window=8)
+    cache, _ = prefill(loaded, model_cache(loaded.config, LayerSpecs((CacheSpec(sink=2, window=8, keep=4, keep_score="h2o"),
+                                                                      plain)), 1), [tokens_for(39)], chunk=8)
+    assert len(kept(cache.groups[0])) == 4 and cache.groups[1].keep is None
+    assert int(cache.groups[0].stored()[0]) == 2 + 8 + 4 and int(cache.groups[1].stored()[0]) == 2 + 8
+    snap = LayerSpecs((CacheSpec(sink=2, window=8, keep=4, keep_score="snapkv"), plain))
+    with pytest.raises(JaxkvError, match="keep_score=snapkv with per-layer cache specs"):
+        prefill(loaded, model_cache(loaded.config, snap, 1), [tokens_for(39)])

@@ -233,8 +233,8 @@ def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]]
     """
     spec = cache.spec
     lengths = to_host(cache.length).astype(np.int64)
-    retention = getattr(spec.policy, "retention", None)
-    if retention is not None and retention.observes_prompt and not np.any(lengths):
+    observes = [s.policy.retention.observes_prompt for s in getattr(spec, "specs", (spec,)) if s.policy.retention]
+    if any(observes) and not np.any(lengths):
         return _observed_prefill(model, cache, prompts, chunk=chunk)
     counts = np.array([len(p) for p in prompts], np.int64)
     if spec.token_limit is not None and np.any(lengths + counts > spec.token_limit):
