@@ -69,7 +69,7 @@ def test_help_of_every_subcommand_shows_every_default():
     """Every option taking a value says its default: argparse's own (``%(default)s``, never
     shown as None) or in words; flags (``--chat``) are off unless given."""
     _, commands = _parsers()
-    assert sorted(commands) == ["batch", "bench", "chat", "info", "ppl", "sample"]
+    assert sorted(commands) == ["batch", "bench", "chat", "eval", "info", "ppl", "sample"]
     checked = 0
     for name, sub in commands.items():
         text = re.sub(r"\s+", " ", sub.format_help())  # expands every %(default)s
@@ -92,14 +92,14 @@ def test_help_of_every_subcommand_shows_every_default():
 
 
 @pytest.mark.parametrize("argv", [["sample"], ["chat"], ["ppl", "--text", "t.txt"], ["batch", "--input", "i", "--output", "o"],
-                                  ["bench"], ["info"]], ids=lambda a: a[0])
+                                  ["bench"], ["info"], ["eval", "passkey"]], ids=lambda a: a[0])
 def test_an_unknown_flag_prints_the_subcommand_usage(capsys, argv):
     code, out, err = cli(capsys, *argv, "--bogus=7", "--tokens-per-second")
     lines = err.splitlines()
     assert code == 2 and out == ""
     assert lines[0].startswith(f"usage: jaxkv {argv[0]} [-h]"), err
     assert lines[-1] == f"jaxkv {argv[0]}: error: unrecognized arguments: --bogus=7 --tokens-per-second", err
-    assert "Traceback" not in err and "{sample,chat,ppl,batch,bench,info}" not in err  # not the top-level usage
+    assert "Traceback" not in err and "{sample,chat,ppl,eval,batch,bench,info}" not in err  # not the top-level usage
 
 
 # ---------------------------------------------------------------- the prompt: text, stdin, file

@@ -319,7 +319,7 @@ def plot(results: dict, path: str) -> None:
       JaxkvError: matplotlib is not installed (``pip install 'jaxkv[results]'``); ``path``
       cannot be written.
     """
-    plt = _pyplot(path)
+    plt = pyplot(path)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in results["runs"]:
@@ -343,7 +343,12 @@ def plot(results: dict, path: str) -> None:
         plt.close(fig)
 
 
-def _pyplot(path: str):
+def pyplot(path: str):
+    """``matplotlib.pyplot`` on the Agg backend (no display), imported on first use, to draw ``path``.
+
+    Raises:
+      JaxkvError: matplotlib is not installed (``--plot PATH: needs matplotlib ...``).
+    """
     try:
         import matplotlib
     except ImportError:
@@ -366,4 +371,4 @@ def check_outputs(json_path: str | None, plot_path: str | None) -> None:
         if folder is not None and not os.path.isdir(folder):
             raise JaxkvError(f"{flag} {path}: no such folder {folder}")
     if plot_path:
-        _pyplot(plot_path)
+        pyplot(plot_path)
