@@ -4,7 +4,7 @@ The budget is a sink 4 + window 1020 fp16 cache's bytes. Each policy spends it d
 StreamingLLM on the window; SnapKV, H2O and TOVA on a window of 508 plus a keep tier of 512 fp16
 slots; tiered retention on a window of 508 plus a FIFO tier of int4 or int2 slots holding as many
 bytes as 512 fp16 ones (K and V of one token, H = 64: fp16 256 B; int4 72 B = 64 of codes + 8 of
-float16 scales and zeros; int2 40 B). The full cache is the model's own limit.
+float16 scales and zeros; int2 40 B), int2 also with the tier quantised Hadamard-rotated. The full cache is the model's own limit.
 
 Runs the passkey task (jaxkv.eval.retrieval_accuracy) at --lengths x --depths x --seeds for every
 policy and streaming perplexity (jaxkv.eval.token_nll) on --ppl-tokens of TinyStories, and writes
@@ -38,6 +38,7 @@ POLICIES = {
     "tova": CacheSpec(window=508, keep=512, keep_score="tova", **WINDOW),
     "tiered-int4": CacheSpec(window=508, keep=512 * 256 // 72, keep_quantize="int4", **WINDOW),
     "tiered-int2": CacheSpec(window=508, keep=512 * 256 // 40, keep_quantize="int2", **WINDOW),
+    "tiered-int2-hadamard": CacheSpec(window=508, keep=512 * 256 // 40, keep_quantize="int2", hadamard="both", **WINDOW),
 }
 
 

@@ -163,12 +163,14 @@ class RefDecoder:
         position (``recent``), attention mass summed over every query head and layer since it
         was written (``h2o``), or from the latest step (``tova``; a leaving token carries the
         mass of the last step that saw it). ``keep_bits``: per-token quantised tier (keys and
-        values alike, over H), else the stored floats.
+        values alike, over H), else the stored floats; ``keep_rotate``: (keys, values) of a
+        quantised tier quantised as ``x @ M`` and read as ``dequantise(.) @ M.T``.
     """
 
     def __init__(self, weights, cfg, *, sink=0, window=None, bits=None, group_size=None, residual=None,
                  positions="absolute", rope_layout="half", scale_dtype=np.float32, residual_dtype=None,
-                 pre_rope_keys=False, hadamard=(False, False), keep=0, keep_rule="recent", keep_bits=None):
+                 pre_rope_keys=False, hadamard=(False, False), keep=0, keep_rule="recent", keep_bits=None,
+                 keep_rotate=(False, False)):
         self.w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
         self.cfg = cfg
         self.sink, self.window = sink, window
@@ -180,7 +182,7 @@ class RefDecoder:
         self.k, self.v = {}, {}  # position -> [L, K, H] as stored (full precision)
         self.kq, self.vq = {}, {}  # position -> [L, K, H] dequantised (flushed tokens)
         self.flushed, self.resid = [], []
-        self.keep, self.keep_rule, self.keep_bits = keep, keep_rule, keep_bits
+        self.keep, self.keep_rule, self.keep_bits, self.keep_rotate = keep, keep_rule, keep_bits, keep_rotate
         self.slots = [None] * keep  # the keep tier: a position per slot
         self.slot_score = [0.0] * keep
         self.ring_score = {}  # window position -> score
@@ -269,7 +271,9 @@ class RefDecoder:
             flushed = p in self.kq
             k, v = (self.kq if flushed else self.k)[p], (self.vq if flushed else self.v)[p]
             if self.keep_bits is not None:
-                k, v = (quantize_dequantize(x, self.keep_bits, axis=2, scale_dtype=self.scale_dtype) for x in (k, v))
+                m = sylvester(k.shape[-1])
+                k, v = (quantize_dequantize(x @ m if rot else x, self.keep_bits, axis=2, scale_dtype=self.scale_dtype)
+                        @ (m.T if rot else np.eye(k.shape[-1])) for x, rot in zip((k, v), self.keep_rotate))
             self.kt[p], self.vt[p] = self._stored(k), self._stored(v)
 
     def _rescore(self, window, mass):
@@ -351,6 +355,7 @@ def ref_kwargs(spec):
     kw = dict(sink=spec.sink, window=spec.window, positions=spec.positions, pre_rope_keys=spec.pre_rope_keys)
     if spec.keep:
         kw.update(keep=spec.keep, keep_rule=spec.keep_score, keep_bits=spec.retention.bits,
+                  keep_rotate=(spec.retention.rotate_keys, spec.retention.rotate_values),
                   scale_dtype=np.dtype(spec.scale_dtype).type)
     if spec.quantized:
         storage = spec.storage

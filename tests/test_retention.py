@@ -43,6 +43,7 @@ KIVI = dict(kv_quantize="int4", group_size=4, residual=4, scale_dtype="float32")
 @pytest.mark.parametrize("rule,positions,storage", [
     ("recent", "absolute", {}), ("h2o", "absolute", {}), ("tova", "absolute", {}),
     ("recent", "cache", {}), ("h2o", "cache", {}), ("tova", "cache", {}), ("recent", "absolute", dict(keep_quantize="int4")),
+    ("tova", "absolute", dict(keep_quantize="int2", hadamard="both")), ("recent", "cache", dict(keep_quantize="int4", hadamard="values")),
     ("h2o", "absolute", KIVI), ("tova", "cache", KIVI), ("recent", "cache", KIVI),
     ("h2o", "absolute", dict(KIVI, hadamard="both")), ("tova", "absolute", dict(KIVI, residual_dtype="float16")),
 ])

@@ -51,6 +51,7 @@ from jax import lax
 
 from jaxkv.cache import kivi
 from jaxkv.cache.ring import write_ring
+from jaxkv.cache.rotation import hadamard, rotate
 from jaxkv.cache.storage import FLOAT_DTYPES, Leaving, Segment, as_container
 
 RULES = ("recent", "h2o", "tova", "snapkv")
@@ -116,12 +117,17 @@ class Retention:
       rule: ``recent``, ``h2o``, ``tova`` or ``snapkv`` (see the module docstring).
       kind: the tier's storage, fp32|fp16|bf16 or int8|int4|int2 (per-token codes).
       scale_dtype: storage dtype of a quantised tier's scales and zeros.
+      rotate_keys, rotate_values: a quantised tier quantises ``x @ M`` (M the head's orthonormal
+        Hadamard matrix, :mod:`jaxkv.cache.rotation`), folded into attention's read as KIVI's
+        rotated sides are: per-token codes of rotated keys spread a channel's outliers over all.
     """
 
     slots: int = 0
     rule: str = "recent"
     kind: str = "fp16"
     scale_dtype: str = "float16"
+    rotate_keys: bool = False
+    rotate_values: bool = False
 
     @property
     def attention_scored(self) -> bool:
@@ -145,7 +151,8 @@ class Retention:
         return BITS.get(self.kind)
 
     def describe(self) -> str:
-        return f"keep {self.slots} {self.rule} ({self.kind})"
+        rotated = [side for side, on in (("K", self.rotate_keys), ("V", self.rotate_values)) if on]
+        return f"keep {self.slots} {self.rule} ({self.kind}{', Hadamard ' + '+'.join(rotated) if rotated else ''})"
 
     # ---- leaves ----------------------------------------------------------------------------------
     def create(self, *, lbk: tuple, head_dim: int, batch: int, ring: int, store: int = 0) -> KeepTier:
@@ -160,6 +167,8 @@ class Retention:
             leaves = {name: as_container(jnp.zeros(lbk + (c, head_dim)), FLOAT_DTYPES[self.kind]) for name in "kv"}
         else:
             kivi._check_last_axis(head_dim, self.bits)
+            if self.rotate_keys or self.rotate_values:
+                hadamard(head_dim)  # refuses a head_dim that is not a power of two
             leaves = {name: jnp.zeros(lbk + (c, head_dim * self.bits // 8), jnp.uint8) for name in "kv"}
             leaves.update({f"{side}_{name}": fill(lbk + (c,), self.scale_dtype) for side in "kv"
                            for name, fill in (("scale", jnp.ones), ("zero", jnp.zeros))})
@@ -176,6 +185,10 @@ class Retention:
         """Tier leaves of keys/values ``float[..., T, H]``."""
         if self.bits is None:
             return dict(k=as_container(k, FLOAT_DTYPES[self.kind]), v=as_container(v, FLOAT_DTYPES[self.kind]))
+        if self.rotate_keys:
+            k = rotate(k, jnp.asarray(hadamard(k.shape[-1])))
+        if self.rotate_values:
+            v = rotate(v, jnp.asarray(hadamard(v.shape[-1])))
         qk = kivi.quantize_values(k, bits=self.bits, scale_dtype=self.scale_dtype)
         qv = kivi.quantize_values(v, bits=self.bits, scale_dtype=self.scale_dtype)
         return dict(k=qk.codes, k_scale=qk.scale, k_zero=qk.zero, v=qv.codes, v_scale=qv.scale, v_zero=qv.zero)
@@ -187,7 +200,9 @@ class Retention:
             return Segment([read(tier.k).astype(dtype)], [read(tier.v)], pos)
         k = kivi.dequantize_values(kivi.QuantizedValues(tier.k, tier.k_scale, tier.k_zero), bits=self.bits, dtype=dtype)
         v = kivi.dequantize_values(kivi.QuantizedValues(tier.v, tier.v_scale, tier.v_zero), bits=self.bits, dtype=dtype)
-        return Segment([k], [v], pos)
+        m = jnp.asarray(hadamard(k.shape[-1])) if self.rotate_keys or self.rotate_values else None
+        return Segment([k], [v], pos, key_rotation=m if self.rotate_keys else None,
+                       value_rotation=m if self.rotate_values else None)
 
     def memory_groups(self, tier: KeepTier) -> list:
         """``[("keep", leaves, pos)]`` for the memory report (codes, scales and zeros, or floats)."""

@@ -108,7 +108,7 @@ class CacheSpec:
         (it is set True there). Logits equal the post-RoPE cache's within float rounding.
       hadamard: ``none``, ``values``, ``keys`` or ``both``: quantise those sides rotated by the
         head's orthonormal Hadamard matrix (QuaRot, arXiv 2404.00456; :mod:`jaxkv.cache.rotation`),
-        folded into attention's read. Quantised (int*) sides only, a head_dim that is a power of
+        folded into attention's read; an int* keep tier's tokens too. Quantised (int*) sides only, a head_dim that is a power of
         two, and rotated keys need keys stored after RoPE (``positions="absolute"``, no
         ``pre_rope_keys``): a pre-RoPE key would have to be rotated back for every read.
       keep: C, slots of a *keep tier* for tokens leaving the window (0: none, StreamingLLM
@@ -161,10 +161,11 @@ class CacheSpec:
         if not isinstance(self.pre_rope_keys, (bool, np.bool_)):
             self._refuse("{pre_rope_keys}: expected True or False")
         object.__setattr__(self, "pre_rope_keys", bool(self.pre_rope_keys) or self.positions == "cache")
+        tier_quantized = self.keep_quantize in QUANT_MODES
         for side, mode, rotated in zip(("keys", "values"), (k, v), HADAMARD_SIDES[self.hadamard]):
-            if rotated and mode not in QUANT_MODES:
+            if rotated and mode not in QUANT_MODES and not tier_quantized:
                 self._refuse(f"{{hadamard}} rotates the {side} before quantising them, but this cache stores them as "
-                             f"{mode}: rotate int8/int4/int2 sides only")
+                             f"{mode}: rotate int8/int4/int2 sides (or an int* keep tier's) only")
         if HADAMARD_SIDES[self.hadamard][0] and self.pre_rope_keys:
             why = "{positions}" if self.positions == "cache" else "{pre_rope_keys:name}"
             self._refuse("{hadamard} rotates keys stored after RoPE, but " + why + " stores them before it (they "
@@ -270,7 +271,9 @@ class CacheSpec:
         if not self.keep and self.keep_score == "recent":
             return None
         kind = self.keep_quantize or self._window_float
-        return Retention(slots=self.keep, rule=self.keep_score, kind=kind, scale_dtype=self.scale_dtype)
+        rotate_keys, rotate_values = HADAMARD_SIDES[self.hadamard] if kind in QUANT_MODES else (False, False)
+        return Retention(slots=self.keep, rule=self.keep_score, kind=kind, scale_dtype=self.scale_dtype,
+                         rotate_keys=rotate_keys, rotate_values=rotate_values)
 
     @property
     def _window_float(self) -> str:
