@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", default="1024,2048,4096")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per compiled call (depths x seeds is best a multiple)")
     parser.add_argument("--ppl-tokens", type=int, default=4096)
     parser.add_argument("--policies", default=",".join(POLICIES), help="the policies whose retrieval is measured")
     parser.add_argument("--ppl-policies", default=",".join(POLICIES), help="the policies whose perplexity is measured")
@@ -75,7 +76,8 @@ def main(argv=None) -> int:
         print(f"{name}: ppl {results[name]['ppl']:.4f} over {len(text)} tokens, {results[name]['bytes']} bytes", flush=True)
     for name in args.policies.split(","):
         result = retrieval_accuracy(model, lambda slots, name=name: spec_for(name, slots), "passkey", lengths, depths,
-                                    args.seeds, log=lambda line: print(f"  {name}: {line}", file=sys.stderr, flush=True))
+                                    args.seeds, batch=args.batch_size,
+                                    log=lambda line: print(f"  {name}: {line}", file=sys.stderr, flush=True))
         entry = results.setdefault(name, {})
         entry.update(accuracy=result.accuracy.tolist(), mean=result.accuracy.mean(axis=0).tolist(),
                      seconds=result.seconds, retrieval=result.to_json())
