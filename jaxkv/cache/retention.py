@@ -33,10 +33,15 @@ In ``positions="cache"`` mode (StreamingLLM §3.2) a tier token's RoPE rank is `
 number of tier tokens before it, and the window's ranks start after the tier: ranks stay the
 positions *in the cache*, oldest first.
 
-Chunked prefill: within one call the tier is what it was at the call's start (tokens that
-leave the window during a chunk join it at the chunk's end), so a prefill in chunks of T
-equals token by token for ``recent`` when T = 1 only; the tests check every rule against a
-NumPy simulation of this very rule, in chunks and token by token.
+Timing: the tokens that leave the window in a call compete for the tier at the call's start
+(:meth:`jaxkv.cache.kv.KVCache.begin`), so the call's queries already see them there (a tier token
+is visible to a query whose window it has left, :meth:`jaxkv.cache.policy.Policy.kept_visible`);
+the scores take the call's attention at its end (:meth:`jaxkv.cache.kv.KVCache.commit`). Decoding
+token by token is thus exact for every rule (the tests check each against a NumPy simulation,
+slot by slot). A prefill chunk of T tokens admits its leaving tokens at once and scores them with
+the chunk's queries together, so for ``h2o``/``tova`` it is an approximation of token by token;
+``recent`` keeps the same set in chunks (its priority is the position), and ``snapkv`` is defined
+on the whole prompt (its replay keeps the same set whatever the chunking).
 """
 
 from __future__ import annotations
