@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -358,3 +359,24 @@ def test_the_batch_docs_python_runs_as_written(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "results.jsonl").read_text().count("\n") == 2
+
+
+def test_the_command_caches_compiled_programs_and_a_second_run_loads_them(tmp_path):
+    """``python -m jaxkv.cli`` turns on JAX's persistent compilation cache in
+    ``$JAXKV_COMPILE_CACHE`` (jax >= 0.6; off on 0.5.0, whose reloaded CPU executables decoded
+    garbage): the first run writes entries, the second compiles nothing new and prints the same text."""
+    cache = tmp_path / "xla"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXKV_COMPILE_CACHE": str(cache)}
+    argv = [sys.executable, "-m", "jaxkv.cli", "sample", str(STORIES_BIN), "--tokenizer", str(TOK512_MODEL),
+            "--prompt", "Once upon a time", "--tokens", "12"]
+    first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    if jax.__version_info__ < (0, 6):
+        assert not cache.exists()
+        return
+    entries = sorted(p.name for p in cache.iterdir())
+    assert entries  # the prefill and decode programs
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout and "Lily" in first.stdout
+    assert sorted(p.name for p in cache.iterdir()) == entries  # loaded, none compiled anew
