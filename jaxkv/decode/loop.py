@@ -154,7 +154,7 @@ def _signature(args, *static) -> tuple:
     ``args``, shape, dtype, sharding and weak type."""
     leaves, tree = jax.tree.flatten(args)
     return (*static, tree, jax.config.jax_enable_x64,
-            tuple((x.shape, x.dtype, x.sharding, getattr(x, "weak_type", False)) for x in leaves))
+            tuple((x.shape, x.dtype, getattr(x, "sharding", None), getattr(x, "weak_type", False)) for x in leaves))
 
 
 # ---- planned chunks ------------------------------------------------------------------------------
@@ -253,6 +253,9 @@ def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]]
     return cache, last
 
 
+_WARMED: set = set()
+
+
 def warm_prefill(model: LoadedModel, cache: KVCache, n_prompt: int, chunk: int = 128) -> float:
     """Compile the prefill call for prompts of up to ``n_prompt`` tokens (a chunk appending
     nothing, on a copy of ``cache``, which is not consumed); returns the seconds it took
@@ -271,9 +274,6 @@ def warm_prefill(model: LoadedModel, cache: KVCache, n_prompt: int, chunk: int =
         logits, _ = prefill_chunk(graphdef, state, tokens, n, copy)
     logits.block_until_ready()
     return time.perf_counter() - t0
-
-
-_WARMED: set = set()
 
 
 # ---- the decode loop -----------------------------------------------------------------------------
