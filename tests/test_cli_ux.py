@@ -283,10 +283,11 @@ def test_ctrl_c_during_sample_keeps_the_text_and_prints_the_report(stories):
             "--ignore-eos", *spec]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 300)
-        assert ready, "no output within 300 s"
-        first = os.read(proc.stdout.fileno(), 1 << 16)
-        assert first
+        first = b""
+        while len(first) < 400:  # past the 64-token cap (text streams: the first token arrives alone)
+            ready, _, _ = select.select([proc.stdout], [], [], 300)
+            assert ready, "no output within 300 s"
+            first += os.read(proc.stdout.fileno(), 1 << 16)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -298,13 +299,15 @@ def test_ctrl_c_during_sample_keeps_the_text_and_prints_the_report(stories):
     assert "Traceback" not in err
     report = err.splitlines()[-1]
     n = int(re.match(r"\[(\d+) tokens, interrupted; ", report).group(1))
-    assert n >= 32 and n % 32 == 0 and "(StreamingLLM cap)" in report  # whole blocks of 32
+    assert n > 64 and "(StreamingLLM cap)" in report
     expected, text = streamed(stories, PROMPT, max_new_tokens=n, ignore_eos=True, cache=CacheSpec(sink=4, window=60))
     assert expected.finish_reason == "length"
     assert out == text + "\n"
 
 
 def test_interruptible_sample_stops_after_the_block_of_a_first_sigint(stories):
+    """A SIGINT while the first piece of text prints ends decoding after that block: the first
+    block of a streamed sample is its first token alone."""
     handler = signal.getsignal(signal.SIGINT)
     pieces = []
 
@@ -313,8 +316,8 @@ def test_interruptible_sample_stops_after_the_block_of_a_first_sigint(stories):
         os.kill(os.getpid(), signal.SIGINT)  # handled at once in this (the main) thread
 
     out = sample(stories, PROMPT, max_new_tokens=1000, block=8, interruptible=True, on_text=ctrl_c)
-    assert out.finish_reason == "interrupted" and len(out.token_ids) == 8
-    expected = sample(stories, PROMPT, max_new_tokens=8)
+    assert out.finish_reason == "interrupted" and len(out.token_ids) == 1
+    expected = sample(stories, PROMPT, max_new_tokens=1)
     assert out.token_ids == expected.token_ids and "".join(pieces) == out.text == expected.text
     assert signal.getsignal(signal.SIGINT) is handler
 
