@@ -15,6 +15,16 @@ source distribution on PyPI (its ``vendor/llama.cpp``)::
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
     nice -n 10 cmake --build build --config Release --target llama-bench llama-quantize -j2
 
+On a VM whose CPU lists AMX (``amx_tile`` in /proc/cpuinfo) without the kernel granting it, the
+native build dies with SIGILL (exit 132) on Q4_1/Q8_0 files (F32 runs): build the CPU backend
+again without AMX and point ``LD_LIBRARY_PATH`` at it::
+
+    cmake -S llama_cpp_python-*/vendor/llama.cpp -B build-noamx -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+        -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+        -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
+    nice -n 10 cmake --build build-noamx --config Release --target ggml-cpu -j2
+    export LD_LIBRARY_PATH=/work/tmp/llamacpp/build-noamx/bin
+
 An F32 GGUF of SmolLM2 (what jaxkv's fp32 weights are: the Q4_1 blocks dequantised, exactly)::
 
     build/bin/llama-quantize --allow-requantize SmolLM2-135M-Instruct.Q4_1.gguf SmolLM2-135M-Instruct.F32.gguf F32
