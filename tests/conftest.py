@@ -5,6 +5,7 @@ are in tests/reference.py."""
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import pytest
@@ -13,6 +14,7 @@ from flax import nnx
 from paths import GOLDEN, SMOLLM2, STORIES_BIN, TOK512_MODEL
 
 jax.config.update("jax_platforms", "cpu")
+os.environ.setdefault("JAXKV_COMPILE_CACHE", "off")  # `python -m jaxkv.cli` subprocesses: no cache in $HOME
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -282,10 +283,11 @@ def test_ctrl_c_during_sample_keeps_the_text_and_prints_the_report(stories):
             "--ignore-eos", *spec]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 300)
-        assert ready, "no output within 300 s"
-        first = os.read(proc.stdout.fileno(), 1 << 16)
-        assert first
+        first = b""
+        while len(first) < 400:  # past the 64-token cap (text streams: the first token arrives alone)
+            ready, _, _ = select.select([proc.stdout], [], [], 300)
+            assert ready, "no output within 300 s"
+            first += os.read(proc.stdout.fileno(), 1 << 16)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -297,13 +299,15 @@ def test_ctrl_c_during_sample_keeps_the_text_and_prints_the_report(stories):
     assert "Traceback" not in err
     report = err.splitlines()[-1]
     n = int(re.match(r"\[(\d+) tokens, interrupted; ", report).group(1))
-    assert n >= 32 and n % 32 == 0 and "(StreamingLLM cap)" in report  # whole blocks of 32
+    assert n > 64 and "(StreamingLLM cap)" in report
     expected, text = streamed(stories, PROMPT, max_new_tokens=n, ignore_eos=True, cache=CacheSpec(sink=4, window=60))
     assert expected.finish_reason == "length"
     assert out == text + "\n"
 
 
 def test_interruptible_sample_stops_after_the_block_of_a_first_sigint(stories):
+    """A SIGINT while the first piece of text prints ends decoding after that block: the first
+    block of a streamed sample is its first token alone."""
     handler = signal.getsignal(signal.SIGINT)
     pieces = []
 
@@ -312,8 +316,8 @@ def test_interruptible_sample_stops_after_the_block_of_a_first_sigint(stories):
         os.kill(os.getpid(), signal.SIGINT)  # handled at once in this (the main) thread
 
     out = sample(stories, PROMPT, max_new_tokens=1000, block=8, interruptible=True, on_text=ctrl_c)
-    assert out.finish_reason == "interrupted" and len(out.token_ids) == 8
-    expected = sample(stories, PROMPT, max_new_tokens=8)
+    assert out.finish_reason == "interrupted" and len(out.token_ids) == 1
+    expected = sample(stories, PROMPT, max_new_tokens=1)
     assert out.token_ids == expected.token_ids and "".join(pieces) == out.text == expected.text
     assert signal.getsignal(signal.SIGINT) is handler
 
@@ -358,3 +362,24 @@ def test_the_batch_docs_python_runs_as_written(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "results.jsonl").read_text().count("\n") == 2
+
+
+def test_the_command_caches_compiled_programs_and_a_second_run_loads_them(tmp_path):
+    """``python -m jaxkv.cli`` turns on JAX's persistent compilation cache in
+    ``$JAXKV_COMPILE_CACHE`` (jax >= 0.6; off on 0.5.0, whose reloaded CPU executables decoded
+    garbage): the first run writes entries, the second compiles nothing new and prints the same text."""
+    cache = tmp_path / "xla"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXKV_COMPILE_CACHE": str(cache)}
+    argv = [sys.executable, "-m", "jaxkv.cli", "sample", str(STORIES_BIN), "--tokenizer", str(TOK512_MODEL),
+            "--prompt", "Once upon a time", "--tokens", "12"]
+    first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    if jax.__version_info__ < (0, 6):
+        assert not cache.exists()
+        return
+    entries = sorted(p.name for p in cache.iterdir())
+    assert entries  # the prefill and decode programs
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout and "Lily" in first.stdout
+    assert sorted(p.name for p in cache.iterdir()) == entries  # loaded, none compiled anew

@@ -15,7 +15,7 @@ from flax import nnx
 
 from conftest import decode_loop_hlo
 from reference import RefDecoder, ref_config, ref_kwargs
-from jaxkv import CacheSpec, CacheFullError, JaxkvError, KVCache, forward, prefill, sample
+from jaxkv import CacheSpec, CacheFullError, JaxkvError, KVCache, Sampler, forward, prefill, sample
 from jaxkv.testing import materialised_buffers, numpy_weights, tiny_loaded, tiny_model
 
 PAIRS = [(0, 8), (4, 8), (4, 13), (1, 1), (2, 64)]
@@ -241,3 +241,25 @@ def test_decode_loop_writes_the_window_in_place_and_never_copies_it(kv_quantize)
     whole = (c.n_layers, 1, c.n_kv_heads, spec.n_ring, c.head_dim)
     buffers = [(name, dtype) for name, dtype, shape in materialised_buffers(decode_loop_hlo(model, spec)) if shape == whole]
     assert len(buffers) == 2 and all("dynamic-update-slice" in name for name, _ in buffers), buffers  # ring_k, ring_v
+
+
+@pytest.mark.parametrize("stream_s,sizes", [(None, [8, 8, 4]), (0.0, [1] * 20), (1e9, [1, 8, 8, 3])],
+                         ids=["blocks", "token-by-token", "first-token-then-blocks"])
+def test_streamed_decode_runs_every_block_size_in_one_compiled_loop(stream_s, sizes):
+    """A decode of several blocks of varying step counts (``stream_s``: the first block one
+    token, then as many as fit) reuses the decode loop the plain run compiled (one compile
+    per signature, none per block) and samples exactly the tokens of plain blocks of 8."""
+    from jaxkv import generate
+    from jaxkv.decode import compile_counts
+
+    model = tiny_loaded(tokenizer=False)
+    spec = CacheSpec(sink=2, window=8)
+    kwargs = dict(max_new_tokens=20, cache=spec, block=8, sampler=Sampler(temperature=0.9, top_k=20), seed=3)
+    reference = generate(model, [tokens_for(5)], **kwargs).token_ids[0]
+    before = compile_counts()["decode"]
+    blocks = []
+    got = generate(model, [tokens_for(5)], **kwargs, stream_s=stream_s,
+                   on_block=lambda out: blocks.append(int((out >= 0).sum())))
+    assert compile_counts()["decode"] == before  # the same compiled loop whatever each block's step count
+    assert blocks == sizes
+    assert got.token_ids[0] == reference and len(reference) == 20

@@ -8,6 +8,7 @@ sampler) in :mod:`jaxkv.cli.flags`. Errors a user can cause print one line,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jaxkv import __version__
@@ -15,7 +16,7 @@ from jaxkv.cli import batch, bench, chat, eval, info, ppl, sample
 from jaxkv.cli.flags import add_cache_flags, cache_spec_from_args, check_model_flags, error_text
 from jaxkv.errors import JaxkvError
 
-__all__ = ["add_cache_flags", "build_parser", "cache_spec_from_args", "main"]
+__all__ = ["add_cache_flags", "build_parser", "cache_spec_from_args", "command", "main", "use_compile_cache"]
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -50,3 +51,36 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def use_compile_cache(environ=os.environ) -> str | None:
+    """Turn on JAX's persistent compilation cache for this process; returns its folder (None: off).
+
+    Where: ``$JAXKV_COMPILE_CACHE`` (``off`` turns it off), else ``$XDG_CACHE_HOME/jaxkv/xla``
+    (``~/.cache/jaxkv/xla``). A folder already set for JAX (``JAX_COMPILATION_CACHE_DIR`` or
+    ``jax.config``) is kept as it is. Every program is cached, however fast it compiled, unless
+    ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise. A second run of the same
+    model and cache then loads its executables instead of compiling them (docs/PERFORMANCE.md).
+
+    Off on jax < 0.6: jax 0.5.0's CPU executables reloaded from the cache decoded garbage
+    (a resumed chat printed only ``<unk>``; see tests/test_chat.py).
+    """
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    where = environ.get("JAXKV_COMPILE_CACHE")
+    if where == "off" or jax.__version_info__ < (0, 6):
+        return None
+    if not where:
+        where = os.path.join(environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxkv", "xla")
+    jax.config.update("jax_compilation_cache_dir", where)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return where
+
+
+def command() -> int:
+    """The ``jaxkv`` console command: :func:`main` with the persistent compilation cache on (:func:`use_compile_cache`)."""
+    use_compile_cache()
+    return main()

@@ -2,6 +2,6 @@
 
 import sys
 
-from jaxkv.cli import main
+from jaxkv.cli import command
 
-sys.exit(main())
+sys.exit(command())

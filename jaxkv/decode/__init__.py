@@ -14,6 +14,7 @@ Layers (each uses only the ones above it in this list):
 
 from jaxkv.decode.loop import (
     FINISH_REASONS,
+    STREAM_S,
     BatchGeneration,
     Chunk,
     LoopState,
@@ -29,6 +30,7 @@ from jaxkv.decode.loop import (
     prefill,
     prefill_and_decode,
     to_host,
+    warm_prefill,
 )
 from jaxkv.decode.prompt import check_token_ids, encode_prompt, reply_text
 from jaxkv.decode.sampler import Sampler, prng_keys
@@ -36,6 +38,7 @@ from jaxkv.decode.text import Generation, generate, sample, text_stream
 
 __all__ = [
     "FINISH_REASONS",
+    "STREAM_S",
     "BatchGeneration",
     "Chunk",
     "Generation",
@@ -60,4 +63,5 @@ __all__ = [
     "sample",
     "text_stream",
     "to_host",
+    "warm_prefill",
 ]

@@ -65,7 +65,7 @@ from jaxkv.cache.checkpoint import load_cache, save_cache
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.memory import format_bytes, memory_report
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
-from jaxkv.decode.loop import FINISH_REASONS, model_cache_spec, new_cache, prefill_and_decode
+from jaxkv.decode.loop import FINISH_REASONS, STREAM_S, model_cache_spec, new_cache, prefill_and_decode
 from jaxkv.decode.prompt import check_token_ids, reply_text
 from jaxkv.decode.sampler import SEED_LIMIT, Sampler
 from jaxkv.decode.text import text_stream
@@ -321,6 +321,7 @@ class ChatSession:
             result = prefill_and_decode(
                 model, self._cache, [ids], max_new_tokens=[self.max_new_tokens], sampler=self.sampler, seed=self.seed,
                 step=self._step, block=self.block, eos_id=tok.eos_id, on_block=on_block,
+                stream_s=None if on_text is None else STREAM_S,
             )
             flush()
         except BaseException:

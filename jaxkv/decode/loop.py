@@ -37,11 +37,14 @@ from jaxkv.cache.retention import OBSERVE, pooled
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.decode import parallel
 from jaxkv.decode.sampler import Sampler, prng_keys
-from jaxkv.errors import CacheFullError, JaxkvError
+from jaxkv.errors import INT32_LIMIT, CacheFullError, JaxkvError
 from jaxkv.io import LoadedModel
 from jaxkv.models.step import forward
 
 FINISH_REASONS = ("running", "eos", "length", "cache_full")
+STREAM_S = 0.1
+"""Seconds of decoding per block while text streams (``decode(..., stream_s=STREAM_S)``): about
+ten pieces of text a second, each block still one call of the compiled loop."""
 _RUNNING, _EOS, _LENGTH, _CACHE_FULL = range(4)
 
 
@@ -145,6 +148,14 @@ def compile_counts() -> dict[str, int]:
     shape or a static argument that changes per call) shows here however it is invoked.
     """
     return {name: _COMPILES[name] for name in ("decode", "prefill", "nll")}
+
+
+def _signature(args, *static) -> tuple:
+    """What a jitted call's executable depends on: the static arguments and, per leaf of
+    ``args``, shape, dtype, sharding and weak type."""
+    leaves, tree = jax.tree.flatten(args)
+    return (*static, tree, jax.config.jax_enable_x64,
+            tuple((x.shape, x.dtype, getattr(x, "sharding", None), getattr(x, "weak_type", False)) for x in leaves))
 
 
 # ---- planned chunks ------------------------------------------------------------------------------
@@ -288,14 +299,22 @@ def _replay_chunk(cache, ring_k, ring_v, score, offsets, n, t):
     return cache.commit(step, take(read(ring_k)), take(read(ring_v)), token_score=jnp.take_along_axis(score, idx, axis=1))
 
 
+_WARMED: set = set()
+
+
 def warm_prefill(model: LoadedModel, cache: KVCache, n_prompt: int, chunk: int = 128) -> float:
     """Compile the prefill call for prompts of up to ``n_prompt`` tokens (a chunk appending
-    nothing, on a copy of ``cache``, which is not consumed); returns the seconds it took."""
+    nothing, on a copy of ``cache``, which is not consumed); returns the seconds it took
+    (about 0 for a signature warmed before in this process: nothing runs)."""
     t0 = time.perf_counter()
     t = chunk_len(cache.spec, n_prompt, chunk)
     graphdef, state = nnx.split(model.model)
     tokens = jnp.zeros((cache.batch, t), jnp.int32)
     n = jnp.zeros((cache.batch,), jnp.int32)
+    key = _signature((state, tokens, n, cache), graphdef)
+    if key in _WARMED:
+        return time.perf_counter() - t0
+    _WARMED.add(key)
     copy = jax.tree.map(jnp.copy, cache)
     with count_compiles("prefill"):
         logits, _ = prefill_chunk(graphdef, state, tokens, n, copy)
@@ -313,6 +332,8 @@ class LoopState:
       logits: float32[B, V], the logits of the next token to sample.
       done: bool[B]. reason: int32[B], index into :data:`FINISH_REASONS`.
       generated: int32[B], tokens sampled so far. step: int32[], global sampling step (PRNG stream position).
+      limit: int32[], steps the next block takes at most (its static ``block`` caps it): a
+        traced count, so that streaming blocks of any size share one compiled loop.
     """
 
     logits: jax.Array
@@ -320,10 +341,11 @@ class LoopState:
     reason: jax.Array
     generated: jax.Array
     step: jax.Array
+    limit: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(INT32_LIMIT - 1))
 
     @classmethod
     def start(cls, logits, step: int = 0) -> "LoopState":
-        """The state before the first sampled token, from ``logits: float32[B, V]``."""
+        """The state before the first sampled token, from ``logits: float32[B, V]`` (no limit below ``block``)."""
         batch = logits.shape[0]
         return cls(logits=logits, done=jnp.zeros((batch,), bool), reason=jnp.zeros((batch,), jnp.int32),
                    generated=jnp.zeros((batch,), jnp.int32), step=jnp.int32(step))
@@ -341,7 +363,7 @@ def decode_block(graphdef, state, cache, loop, max_new, rng, *, sampler, block, 
 
     def cond(carry):
         i, _, loop, _ = carry
-        return (i < block) & ~jnp.all(loop.done)
+        return (i < jnp.minimum(loop.limit, block)) & ~jnp.all(loop.done)
 
     def body(carry):
         i, cache, loop, out = carry
@@ -363,7 +385,8 @@ def decode_block(graphdef, state, cache, loop, max_new, rng, *, sampler, block, 
             return logits[:, 0], cache
 
         logits, cache = lax.cond(jnp.any(~done), run, lambda c: (loop.logits, c), cache)
-        loop = LoopState(logits=logits, done=done, reason=reason, generated=generated, step=loop.step + 1)
+        loop = LoopState(logits=logits, done=done, reason=reason, generated=generated, step=loop.step + 1,
+                         limit=loop.limit)
         return i + 1, cache, loop, out
 
     out = jnp.full((batch, block), -1, jnp.int32)
@@ -404,18 +427,31 @@ def compile_decode(model, cache: KVCache, logits=None, *, sampler: Sampler = Sam
     """``(compiled, seconds)``: the decode loop compiled for these arguments' shapes, dtypes and
     shardings and the static ``sampler``, ``block`` and ``eos_id`` (see :func:`lower_decode`).
 
-    JAX keeps the executable: a second call with the same signature traces and lowers again
-    but does not compile (:func:`compile_counts` shows it), so ``seconds`` is then small.
+    The executable is kept (the last few signatures): a second call with the same signature
+    neither traces, lowers nor compiles (:func:`compile_counts` shows it), so ``seconds`` is
+    then near 0 and a warm :func:`decode` starts its first block at once.
     ``compiled(state, cache, loop, max_new, rng)`` runs one block.
     """
     graphdef, args = _decode_args(model, cache, logits, max_new_tokens, seed, step)
     return _compile(graphdef, args, sampler, block, eos_id)
 
 
+_EXECUTABLES: dict = {}
+_EXECUTABLES_KEPT = 8
+
+
 def _compile(graphdef, args, sampler, block, eos_id):
+    """The compiled decode loop and the seconds it took; kept per signature (``lower`` alone
+    re-traces the whole model, ~0.3 s for SmolLM2, on every call)."""
     t0 = time.perf_counter()
-    with count_compiles("decode"):
-        compiled = decode_block.lower(graphdef, *args, sampler=sampler, block=block, eos_id=eos_id).compile()
+    key = _signature(args, graphdef, sampler, block, eos_id)
+    compiled = _EXECUTABLES.pop(key, None)
+    if compiled is None:
+        with count_compiles("decode"):
+            compiled = decode_block.lower(graphdef, *args, sampler=sampler, block=block, eos_id=eos_id).compile()
+    _EXECUTABLES[key] = compiled  # most recently used last
+    while len(_EXECUTABLES) > _EXECUTABLES_KEPT:
+        _EXECUTABLES.pop(next(iter(_EXECUTABLES)))
     return compiled, time.perf_counter() - t0
 
 
@@ -454,6 +490,7 @@ def decode(
     block: int = 32,
     eos_id: int | None = None,
     on_block: Callable[[np.ndarray], bool | str | None] | None = None,
+    stream_s: float | None = None,
 ) -> BatchGeneration:
     """Sample from a prefilled cache until every row stops (EOS, its token budget, or a full cache).
 
@@ -467,6 +504,11 @@ def decode(
       on_block: called with each block's tokens, int32[B, block] (-1 = no token). A true
         return value ends decoding there: the rows still running finish with that reason (a
         string, e.g. ``interrupted``; True means ``stop``, for a stop string).
+      stream_s: None: every block decodes ``block`` steps. Seconds: stream the tokens, as text
+        is printed: the first block decodes one step (the first token reaches ``on_block``
+        one decode step after prefill), each later one as many as the blocks so far took per
+        step fit in ``stream_s`` seconds (1 to ``block``; the same compiled loop, its step
+        count traced: :attr:`LoopState.limit`). :data:`STREAM_S` is ten blocks a second.
     Returns:
       a :class:`BatchGeneration` (``prefill_s`` 0). The last sampled token of each row is
       *not* in the cache: feed it first when continuing.
@@ -475,12 +517,16 @@ def decode(
     compiled, compile_s = _compile(graphdef, args, sampler, block, eos_id)
     state, cache, loop, max_new, rng = args
     ids: list[list[int]] = [[] for _ in range(cache.batch)]
-    decode_s, stopped = 0.0, None
+    decode_s, stopped, steps = 0.0, None, 0
     while True:
+        if stream_s is not None:  # steps so far at their mean seconds per step: how many fit in stream_s
+            limit = 1 if steps == 0 else min(block, max(1, int(stream_s * steps / max(decode_s, 1e-9))))
+            loop = dataclasses.replace(loop, limit=jnp.int32(limit))
         t1 = time.perf_counter()
         cache, loop, out = compiled(state, cache, loop, max_new, rng)
         out = to_host(out)
         decode_s += time.perf_counter() - t1
+        steps += int(np.max(np.sum(out >= 0, axis=1)))
         for row, toks in zip(ids, out):
             row.extend(int(i) for i in toks if i >= 0)
         if on_block is not None and (stopped := on_block(out)):

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxkv.cache.memory import MemoryReport, memory_report
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
-from jaxkv.decode.loop import BatchGeneration, full_cache_len, new_cache, prefill_and_decode
+from jaxkv.decode.loop import STREAM_S, BatchGeneration, full_cache_len, new_cache, prefill_and_decode
 from jaxkv.decode.prompt import check_token_ids, encode_prompt, reply_text, stop_strings
 from jaxkv.decode.sampler import SEED_LIMIT, Sampler
 from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int
@@ -76,6 +76,7 @@ def generate(
     eos_id: int | None = None,
     ignore_eos: bool = False,
     on_block: Callable[[np.ndarray], bool | str | None] | None = None,
+    stream_s: float | None = None,
 ) -> BatchGeneration:
     """Decode B ragged prompts together: chunked prefill, then compiled blocks of decode steps.
 
@@ -94,6 +95,8 @@ def generate(
         token (every row runs its budget, unless a full cache stops it).
       on_block: called with each block's tokens, int32[B, block] (-1 = no token); a true return
         value ends decoding (see :func:`decode`).
+      stream_s: None: blocks of ``block`` steps; seconds: stream (a first block of one step,
+        then blocks of about ``stream_s`` seconds, see :func:`decode`).
     Returns:
       a :class:`BatchGeneration`.
     Raises:
@@ -117,7 +120,7 @@ def generate(
     spec = cache or CacheSpec(max_len=full_cache_len(max(len(p) for p in prompts) + max(counts)))
     return prefill_and_decode(model, new_cache(model.config, spec, len(prompts)), prompts, warm=True,
                               max_new_tokens=counts, sampler=sampler, seed=seed, block=block, eos_id=eos_id,
-                              on_block=on_block)
+                              on_block=on_block, stream_s=stream_s)
 
 
 def sample(
@@ -153,8 +156,10 @@ def sample(
         ``prompt + max_new_tokens`` slots, rounded up to a multiple of 256.
       chat: wrap ``prompt`` in the model's chat template (as one user message).
       tokenizer: a tokenizer file overriding the model's (only with a path).
-      block: tokens per compiled decode call (the granularity of ``on_text``, and of stopping
-        at a stop string: up to ``block - 1`` tokens past it are computed and dropped).
+      block: tokens per compiled decode call at most. With ``on_text`` the text streams: the
+        first token alone (right after prefill), then blocks of about :data:`STREAM_S`
+        seconds of decoding (at most ``block`` tokens). A stop string is found at a block's
+        end: up to ``block - 1`` tokens past it are computed and dropped.
       stop: a stop string, or several: generation stops as soon as the text contains one
         (finish reason ``stop``); it and what follows are neither returned nor passed to ``on_text``.
       ignore_eos: do not stop at EOS: generate exactly ``max_new_tokens`` (unless a stop
@@ -193,6 +198,7 @@ def sample(
         result = generate(
             model, [prompt_ids], max_new_tokens=max_new_tokens, sampler=sampler, seed=seed, cache=cache, block=block,
             ignore_eos=ignore_eos, on_block=on_block if on_text or stops or interruptible else None,
+            stream_s=None if on_text is None else STREAM_S,
         )
     stream.flush()
     ids, reason = result.token_ids[0], result.finish_reasons[0]
