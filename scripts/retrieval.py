@@ -56,8 +56,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="rows per compiled call (depths x seeds is best a multiple)")
     parser.add_argument("--ppl-tokens", type=int, default=4096)
-    parser.add_argument("--policies", default=",".join(POLICIES), help="the policies whose retrieval is measured")
-    parser.add_argument("--ppl-policies", default=",".join(POLICIES), help="the policies whose perplexity is measured")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="the policies whose retrieval is measured ('' for none)")
+    parser.add_argument("--ppl-policies", default=",".join(POLICIES), help="the policies whose perplexity is measured ('' for none)")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "results"))
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -67,14 +67,14 @@ def main(argv=None) -> int:
         text = model.tokenizer.encode(f.read())[: args.ppl_tokens]  # as jaxkv ppl: BOS first if the tokenizer adds one
     os.makedirs(args.out, exist_ok=True)
     results = {}
-    for name in args.ppl_policies.split(","):
+    for name in filter(None, args.ppl_policies.split(",")):
         t0 = time.perf_counter()
         spec = spec_for(name, len(text))
         results[name] = dict(cache=spec.describe() if POLICIES[name] else "full fp16 (sized per length)",
                              bytes=new_cache_bytes(model.config, spec_for(name, 1024), 1) if POLICIES[name] else None,
                              ppl=perplexity(token_nll(model, text, cache=spec)), ppl_seconds=time.perf_counter() - t0)
         print(f"{name}: ppl {results[name]['ppl']:.4f} over {len(text)} tokens, {results[name]['bytes']} bytes", flush=True)
-    for name in args.policies.split(","):
+    for name in filter(None, args.policies.split(",")):
         result = retrieval_accuracy(model, lambda slots, name=name: spec_for(name, slots), "passkey", lengths, depths,
                                     args.seeds, batch=args.batch_size,
                                     log=lambda line: print(f"  {name}: {line}", file=sys.stderr, flush=True))
