@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 
-import numpy as np
 import pytest
 from paths import SMOLLM2, STORIES_BIN, TOK512_MODEL
 

@@ -57,7 +57,7 @@ from jax import lax
 from jaxkv.cache import kivi
 from jaxkv.cache.ring import write_ring
 from jaxkv.cache.rotation import hadamard, rotate
-from jaxkv.cache.storage import FLOAT_DTYPES, Leaving, Segment, as_container
+from jaxkv.cache.storage import FLOAT_DTYPES, Segment, as_container
 
 RULES = ("recent", "h2o", "tova", "snapkv")
 OBSERVE = 32  # SnapKV's observation window: the last prompt tokens whose attention scores the prompt

@@ -334,13 +334,7 @@ def plot(results: dict, path: str) -> None:
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7)
     ax.set_title(f"{results['model']} ({results['backend']}); dashed: roofline", fontsize=9)
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as e:
-        raise JaxkvError(f"--plot {path}: cannot write it ({e})") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def pyplot(path: str):
@@ -357,6 +351,21 @@ def pyplot(path: str):
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path: str, *, dpi: int) -> None:
+    """Lay ``fig`` out tightly, write it to ``path`` (format by extension) and close it.
+
+    Raises:
+      JaxkvError: ``path`` cannot be written (``--plot PATH: cannot write it (...)``).
+    """
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=dpi)
+    except OSError as e:
+        raise JaxkvError(f"--plot {path}: cannot write it ({e})") from None
+    finally:
+        pyplot(path).close(fig)
 
 
 def check_outputs(json_path: str | None, plot_path: str | None) -> None:

@@ -47,7 +47,7 @@ from jaxkv.decode.loop import new_cache_bytes
 from jaxkv.decode.prompt import prompt_text
 from jaxkv.decode.sampler import Sampler
 from jaxkv.errors import CacheFullError, JaxkvError, check_int
-from jaxkv.eval.bench import pyplot
+from jaxkv.eval.bench import pyplot, save_figure
 from jaxkv.io import LoadedModel
 
 TASKS = ("passkey", "lines")
@@ -424,13 +424,7 @@ def plot_heatmap(result: RetrievalResult, path: str, *, title: str | None = None
     cache = result.cache[-1] + ("" if len(set(result.cache)) == 1 else " (at the longest)")
     ax.set_title(title or f"{result.task}, {result.model}: accuracy % ({seeds} seed{'s' if seeds > 1 else ''})\n{cache}",
                  fontsize=8)
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=100)
-    except OSError as e:
-        raise JaxkvError(f"--plot {path}: cannot write it ({e})") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def _check_task(task) -> None:
