@@ -99,15 +99,16 @@ def _observer_mass(model, prompt):
     return total
 
 
-@pytest.mark.parametrize("positions", ["absolute", "cache"])
-def test_snapkv_keeps_the_top_pooled_prompt_tokens(positions):
+@pytest.mark.parametrize("positions,storage", [("absolute", {}), ("cache", {}),
+                                               ("cache", dict(kv_quantize="int4", group_size=4, residual=8))])
+def test_snapkv_keeps_the_top_pooled_prompt_tokens(positions, storage):
     """SnapKV: the observation scores equal the reference's full-attention mass of the last 32
     queries (1e-4); the tier holds exactly the top-C by max-pooled score among the prompt tokens
-    that left the window (the NumPy rule, slot by slot, ties to the earlier token); the logits
-    after the prompt are full attention's."""
+    that left the window (float, or KIVI's quantised window and residual; the NumPy rule, slot by
+    slot, ties to the earlier token); the logits after the prompt are full attention's."""
     loaded = tiny_loaded()
     prompt = tokens_for(120, seed=7)
-    spec = CacheSpec(sink=4, window=24, keep=10, keep_score="snapkv", positions=positions)
+    spec = CacheSpec(sink=4, window=24, keep=10, keep_score="snapkv", positions=positions, **storage)
     cache, logits = prefill(loaded, new_cache(spec), [prompt], chunk=32)
     observer, full_logits = prefill(loaded, new_cache(spec.observer(128)), [prompt[:-OBSERVE]], chunk=32)
     observer = observer.replace(keep=observer.keep.replace(ring_score=jnp.zeros_like(observer.keep.ring_score)))
@@ -117,14 +118,14 @@ def test_snapkv_keeps_the_top_pooled_prompt_tokens(positions):
     np.testing.assert_allclose(score, _observer_mass(loaded.model, prompt), rtol=1e-4, atol=1e-5)
     padded = np.pad(score, POOL // 2, constant_values=-np.inf)
     pooled = np.array([padded[i : i + POOL].max() for i in range(120)])
+    window = {int(p) for part in cache.positions()[1:] for p in np.asarray(part[0]) if p >= 0} - set(kept(cache))
     slots, slot_score = [None] * 10, [0.0] * 10
-    for p in range(4, 120 - 24):  # the prompt tokens that leave the window, in order
+    for p in (q for q in range(4, 120) if q not in window):  # the prompt tokens that left the window, in order
         empty = [i for i, q in enumerate(slots) if q is None]
         slot = empty[0] if empty else int(np.argmin(slot_score))
         if empty or pooled[p] > slot_score[slot]:
             slots[slot], slot_score[slot] = p, pooled[p]
-    assert kept(cache) == sorted(slots)
-    assert np.asarray(cache.ring_pos[0]).max() == 119 and int(cache.stored()[0]) == 4 + 24 + 10
+    assert kept(cache) == sorted(slots) and len(window) == (24 if not storage else 28) and max(window) == 119
 
 
 def test_a_model_that_does_not_pass_the_mass_is_told_how():
