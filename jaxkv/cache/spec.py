@@ -165,7 +165,7 @@ class CacheSpec:
         for side, mode, rotated in zip(("keys", "values"), (k, v), HADAMARD_SIDES[self.hadamard]):
             if rotated and mode not in QUANT_MODES and not tier_quantized:
                 self._refuse(f"{{hadamard}} rotates the {side} before quantising them, but this cache stores them as "
-                             f"{mode}: rotate int8/int4/int2 sides (or an int* keep tier's) only")
+                             f"{mode}: rotate int8/int4/int2 sides only")
         if HADAMARD_SIDES[self.hadamard][0] and self.pre_rope_keys:
             why = "{positions}" if self.positions == "cache" else "{pre_rope_keys:name}"
             self._refuse("{hadamard} rotates keys stored after RoPE, but " + why + " stores them before it (they "
