@@ -44,7 +44,7 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
       output in ``q.dtype``, and the chunk's keys/values as the cache stores them (keys
       after RoPE in ``absolute`` mode, before RoPE in ``cache`` mode): stack them on L
       for :meth:`KVCache.commit`. With ``mass=True`` a fourth entry, the
-      :class:`~jaxkv.cache.retention.Mass` of the window, keep tier and chunk slots
+      :class:`~jaxkv.cache.retention.Mass` of the window, keep tier, chunk and KIVI store slots
       (float32[B, S] each; zeros when the cache keeps no tier), also for :meth:`KVCache.commit`.
     Raises:
       JaxkvError: neither or both of ``rope`` and ``theta``, a rope of another head dim, or

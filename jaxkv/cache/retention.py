@@ -57,7 +57,7 @@ from jax import lax
 from jaxkv.cache import kivi
 from jaxkv.cache.ring import write_ring
 from jaxkv.cache.rotation import hadamard, rotate
-from jaxkv.cache.storage import FLOAT_DTYPES, Segment, as_container
+from jaxkv.cache.storage import FLOAT_DTYPES, Segment, Storage, as_container
 
 RULES = ("recent", "h2o", "tova", "snapkv")
 OBSERVE = 32  # SnapKV's observation window: the last prompt tokens whose attention scores the prompt
@@ -201,8 +201,7 @@ class Retention:
     def segment(self, tier: KeepTier, pos, dtype) -> Segment:
         """One layer of the tier as an attention :class:`Segment` (dequantised per token)."""
         if self.bits is None:
-            read = lambda x: lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.int16 else x  # noqa: E731
-            return Segment([read(tier.k).astype(dtype)], [read(tier.v)], pos)
+            return Segment([Storage.read(tier.k).astype(dtype)], [Storage.read(tier.v)], pos)
         k = kivi.dequantize_values(kivi.QuantizedValues(tier.k, tier.k_scale, tier.k_zero), bits=self.bits, dtype=dtype)
         v = kivi.dequantize_values(kivi.QuantizedValues(tier.v, tier.v_scale, tier.v_zero), bits=self.bits, dtype=dtype)
         m = jnp.asarray(hadamard(k.shape[-1])) if self.rotate_keys or self.rotate_values else None
