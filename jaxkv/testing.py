@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxkv.io import LoadedModel
 from jaxkv.io.tokenizer import Tokenizer
-from jaxkv.models.llama import Llama, LlamaConfig, weight_shapes
+from jaxkv.models.llama import LINEAR, Llama, LlamaConfig, weight_shapes
 
 __all__ = [
     "TINY_CONFIG",
@@ -94,7 +94,8 @@ def numpy_weights(model: Llama) -> dict[str, np.ndarray]:
     :mod:`jaxkv.models.llama`: per-layer tensors stacked on a leading ``L`` axis, e.g.
     ``wq: [L, D, N*H]``), in the parameters' dtype (float32 for :func:`tiny_model`).
     :meth:`Llama.from_weights` takes them back."""
-    return {name: np.asarray(getattr(model, name)[...]) for name in weight_shapes(model.config)}
+    return {name: np.asarray(getattr(model, name)[...].dequantize() if name in LINEAR else getattr(model, name)[...])
+            for name in weight_shapes(model.config)}
 
 
 def tiny_tokenizer() -> Tokenizer:

@@ -58,8 +58,8 @@ def test_int8_codes_match_the_reference_and_gguf_q8_0():
     w[32:, 2] = 0  # an all-zero block: scale 1, codes 0
     qw = quantize(w, "int8")
     codes, scales = ref_int8(w)
-    np.testing.assert_array_equal(np.asarray(qw.codes).reshape(64, 5), codes)
-    np.testing.assert_array_equal(np.asarray(qw.scales), scales)
+    np.testing.assert_array_equal(np.asarray(qw.codes).reshape(5, 64).T, codes)  # held transposed: [O, I/32, 32]
+    np.testing.assert_array_equal(np.asarray(qw.scales).T, scales)
     # the same blocks as GGUF Q8_0 bytes (per output row: f16 d, 32 int8 codes), through gguf's dequantiser
     raw = np.concatenate([np.concatenate([scales[b, o : o + 1].view(np.uint8), codes[32 * b : 32 * b + 32, o].view(np.uint8)])
                           for o in range(5) for b in range(2)]).reshape(5, -1)
@@ -72,12 +72,12 @@ def test_q4_codes_match_the_reference_and_gguf_q4_1():
     w[:32, 3] = 0.25  # a constant block: scale 1, min 0.25, codes 0, reconstructed exactly
     qw = quantize(w, "q4")
     codes, scales, mins = ref_q4(w)
-    packed = np.asarray(qw.codes)  # [I/32, 16, O]: input j in the low nibble, j + 16 in the high one
-    unpacked = np.concatenate([packed & 15, packed >> 4], axis=1).reshape(64, 5)
+    packed = np.asarray(qw.codes)  # [O, I/32, 16]: input j in the low nibble, j + 16 in the high one
+    unpacked = np.concatenate([packed & 15, packed >> 4], axis=-1).reshape(5, 64).T
     np.testing.assert_array_equal(unpacked, codes)
-    np.testing.assert_array_equal(np.asarray(qw.scales), scales)
-    np.testing.assert_array_equal(np.asarray(qw.mins), mins)
-    raw = np.concatenate([np.concatenate([scales[b, o : o + 1].view(np.uint8), mins[b, o : o + 1].view(np.uint8), packed[b, :, o]])
+    np.testing.assert_array_equal(np.asarray(qw.scales).T, scales)
+    np.testing.assert_array_equal(np.asarray(qw.mins).T, mins)
+    raw = np.concatenate([np.concatenate([scales[b, o : o + 1].view(np.uint8), mins[b, o : o + 1].view(np.uint8), packed[o, b]])
                           for o in range(5) for b in range(2)]).reshape(5, -1)
     deq = np.asarray(qw.dequantize())
     np.testing.assert_allclose(deq, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).T, rtol=0, atol=1e-6)
@@ -85,7 +85,7 @@ def test_q4_codes_match_the_reference_and_gguf_q4_1():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "q4"])
-@pytest.mark.parametrize("tokens", [1, 9])  # decode (block partial sums) and prefill (dequantise, then dot)
+@pytest.mark.parametrize("tokens", [1, 9])  # decode (one fused loop on XLA CPU) and prefill (a matrix product)
 def test_dense_and_embedding_of_codes_equal_their_dequantised_matrix(fmt, tokens):
     w = RNG.standard_normal((48, 7)).astype(np.float32)  # 48 inputs: padded to 64 with zero weights
     qw = jax_tree(quantize(w, fmt))
@@ -136,16 +136,17 @@ HELD_AS = {"bf16": "bf16", "fp16": "f16", "int8": "s8", "q4": "u8"}
 
 @pytest.mark.parametrize("fmt", list(HELD_AS))
 def test_compiled_decode_step_takes_the_weights_in_their_format(fmt):
-    """The entry parameters of the compiled decode loop: the stacked w_gate [L=2, D=32, F=48]
-    (codes [2, 2, 32 or 16, 48] for int8 / q4) arrives in its format, and no float32
-    parameter has a matrix's shape (a later change cannot upcast them at load time)."""
+    """The entry parameters of the compiled decode loop: the stacked w_gate [L=2, D=32, F=48],
+    held transposed ([2, 48, 32]; codes [2, 48, 1, 32 or 16] for int8 / q4), arrives in its
+    format, and no float32 parameter has a matrix's shape, either orientation (a later change
+    cannot upcast them at load time)."""
     model = Llama.from_weights(tiny_model().config, numpy_weights(tiny_model()), weight_format=fmt)
     hlo = decode_loop_hlo(model, CacheSpec(sink=2, window=8))
     entry = hlo[hlo.index("ENTRY"):]
     params = re.findall(r"= (\w+)\[([\d,]*)\]\{[^}]*\} parameter\(\d+\)", entry.split("\n}\n")[0])
-    shape = {"bf16": "2,32,48", "fp16": "2,32,48", "int8": "2,1,32,48", "q4": "2,1,16,48"}[fmt]
+    shape = {"bf16": "2,48,32", "fp16": "2,48,32", "int8": "2,48,1,32", "q4": "2,48,1,16"}[fmt]
     assert (HELD_AS[fmt], shape) in params, params
-    matrices = {"2,32,32", "2,32,16", "2,32,48", "2,48,32", "64,32", "32,64"}  # wq, wk/wv, w_gate/up, w_down, embed
+    matrices = {"2,32,32", "2,32,16", "2,16,32", "2,32,48", "2,48,32", "64,32", "32,64"}  # wq, wk/wv, w_gate/up, w_down, embed
     assert not [p for p in params if p[0] == "f32" and p[1] in matrices], params
 
 

@@ -71,6 +71,7 @@ from jaxkv.decode.sampler import SEED_LIMIT, Sampler
 from jaxkv.decode.text import text_stream
 from jaxkv.errors import INT32_LIMIT, CacheFullError, JaxkvError, check_int
 from jaxkv.io import LoadedModel
+from jaxkv.models.weights import HELD_FORMS, legacy_leaves
 
 FILE_FORMAT = "jaxkv-chat/3"  # 3: cache leaves stored as live prefixes (checkpoint's prefix_format)
 WHOLE_FORMAT = "jaxkv-chat/2"  # 2: KIVI codes in the split-half bit layout, every leaf whole
@@ -457,12 +458,14 @@ def model_fingerprint(model: LoadedModel) -> str:
     """SHA-256 over every parameter's name, dtype and shape, the whole embedding, and strided samples of the rest.
 
     Names are the parameters' paths in the NNX state joined by dots (``embed``, ``wq``, ...;
-    a Variable's ``.value`` left out).
+    a Variable's ``.value`` left out). A held matrix (:mod:`jaxkv.models.weights`) is hashed
+    in the layout jaxkv held it in before the transposed one, by its last leaf as then (the
+    matrix; the scales, or the mins for ``q4``), so chat files saved before still resume.
     """
     h = hashlib.sha256()
-    flat, _ = jax.tree_util.tree_flatten_with_path(nnx.state(model.model))
-    weights = {".".join(str(getattr(k, "key", getattr(k, "idx", ""))) for k in path if not isinstance(k, jax.tree_util.GetAttrKey)): leaf
-               for path, leaf in flat}
+    flat, _ = jax.tree_util.tree_flatten_with_path(nnx.state(model.model), is_leaf=lambda x: isinstance(x, HELD_FORMS))
+    weights = {".".join(str(getattr(k, "key", getattr(k, "idx", ""))) for k in path if not isinstance(k, jax.tree_util.GetAttrKey)):
+               legacy_leaves(leaf)[-1] if isinstance(leaf, HELD_FORMS) else leaf for path, leaf in flat}
     for name in sorted(weights):
         a = np.asarray(weights[name])
         h.update(f"{name}:{a.dtype.name}:{a.shape};".encode())

@@ -160,10 +160,17 @@ def create_cache(spec, mesh: Mesh, *, batch: int, n_layers: int, n_kv_heads: int
     return jax.jit(make, out_shardings=shardings)().replace(batch_sharded=True)
 
 
-def param_partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, *, n_kv_heads: int, family=None) -> P:
+def param_partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, *, n_kv_heads: int, family=None,
+                         held: str | None = None) -> P:
     """Replicated, except over a ``kv`` axis > 1: attention weights split by heads, MLP by hidden
     units, on the axes the model's family names (:class:`jaxkv.models.family.Family`
-    ``head_axes``/``mlp_axes``; ``family`` None = :data:`jaxkv.io.registry.DEFAULT`)."""
+    ``head_axes``/``mlp_axes``, axes of ``W[..., I, O]``; ``family`` None =
+    :data:`jaxkv.io.registry.DEFAULT`).
+
+    ``held``: the field of a held matrix this leaf of ``shape`` is (``"t"`` of a
+    :class:`~jaxkv.models.weights.TransposedWeight`, ``"codes"``/``"scales"``/``"mins"`` of a
+    :class:`~jaxkv.models.weights.QuantizedWeight`, all ``[..., O, I or I/32, ...]``): the
+    family's axis is mapped to where the leaf holds it (an input axis of codes: its blocks)."""
     kv = mesh.shape["kv"]
     if kv == 1:
         return P()
@@ -171,6 +178,9 @@ def param_partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, *, n_kv_
     axis = family.head_axes.get(name) if n_kv_heads % kv == 0 else None
     if axis is None:
         axis = family.mlp_axes.get(name)
+    if axis is not None and held is not None:
+        rank = len(shape) - (held == "codes")  # the rank of W[..., I, O]
+        axis = rank - 2 if axis == rank - 1 else rank - 1 if axis == rank - 2 else axis
     if axis is None or shape[axis] % kv:
         return P()
     spec = [None] * len(shape)
@@ -185,7 +195,8 @@ def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
 
     def place(path, x):
         name = str(getattr(path[0], "key", getattr(path[0], "name", path[0])))
-        spec = param_partition_spec(name, x.shape, mesh, n_kv_heads=k, family=family)
+        field = getattr(path[-1], "name", None) if len(path) > 2 else None  # name, .value, then a held form's field
+        spec = param_partition_spec(name, x.shape, mesh, n_kv_heads=k, family=family, held=field)
         return jax.device_put(x, NamedSharding(mesh, spec))
 
     state = jax.tree_util.tree_map_with_path(place, state)

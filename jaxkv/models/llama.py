@@ -69,7 +69,8 @@ from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.errors import JaxkvError
 from jaxkv.models.blocks import gated_mlp, pre_norm_residual, qkv_projection, rms_norm
 from jaxkv.models.family import Family, Format
-from jaxkv.models.weights import FLOAT_FORMATS, HEAD_FORMATS, check_weight_format, convert, dense, embed_lookup, tied_head
+from jaxkv.models.weights import (FLOAT_FORMATS, HEAD_FORMATS, HELD_FORMS, TransposedWeight, as_held, check_weight_format, convert, dense,
+                                  embed_lookup, tied_head)
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 """Hugging Face ``architectures`` that :meth:`LlamaConfig.from_hf` accepts."""
@@ -417,11 +418,18 @@ class Llama(nnx.Module):
             else:
                 fan_in = shape[-2]
                 value = (jax.random.normal(jax.random.fold_in(key, i), shape) / np.sqrt(fan_in)).astype(dtype)
+                if name in LINEAR:
+                    value = as_held(value)
             setattr(self, name, nnx.Param(value))
 
     @classmethod
     def from_weights(cls, config: LlamaConfig, weights: dict, *, dtype=jnp.float32, weight_format: str = "fp32") -> "Llama":
         """A model holding ``weights`` (numpy arrays of the internal layout), cast to ``dtype``.
+
+        The matrices are held transposed (:mod:`jaxkv.models.weights`: a
+        :class:`~jaxkv.models.weights.TransposedWeight` or a
+        :class:`~jaxkv.models.weights.QuantizedWeight`); a weight given already held (a
+        model's own ``nnx.to_pure_dict(nnx.state(model))``) is kept as it is.
 
         Args:
           config, weights: the model's config and its weights (see :func:`weight_shapes`).
@@ -447,10 +455,16 @@ class Llama(nnx.Module):
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype))
         for name in shapes:
             fmt = HEAD_FORMATS.get(weight_format, weight_format) if name in ("embed", "lm_head") else weight_format
-            if fmt == "fp32" or name not in MATRICES:
+            if isinstance(weights[name], HELD_FORMS):  # a model's own state (nnx.to_pure_dict), kept as held
+                value = weights[name]
+            elif name not in MATRICES:
                 value = jnp.asarray(weights[name], dtype)
-            elif name == "embed" and fmt not in FLOAT_FORMATS:  # held as the tied head [D, V]
+            elif name == "embed" and fmt in FLOAT_FORMATS:  # a float table [V, D] is its own head held transposed
+                value = jnp.asarray(weights[name], dtype if fmt == "fp32" else FLOAT_FORMATS[fmt])
+            elif name == "embed":  # quantised as the tied head [D, V]
                 value = convert(np.asarray(weights[name]).T, fmt)
+            elif fmt == "fp32":
+                value = TransposedWeight(t=jnp.asarray(np.swapaxes(weights[name], -1, -2), dtype))
             else:
                 value = convert(weights[name], fmt)
             setattr(model, name, nnx.Param(value))

@@ -1,16 +1,17 @@
-"""Weights below float32: the weight formats, :class:`QuantizedWeight`, and the one
-projection every layer and the LM head use, :func:`dense`.
+"""Weights below float32: the weight formats, how a model holds its matrices
+(:class:`TransposedWeight`, :class:`QuantizedWeight`), and the one projection every layer
+and the LM head use, :func:`dense`.
 
 A model's matrices (the projections, the MLP, the embedding table and the LM head) are
 held in one of :data:`WEIGHT_FORMATS`; norms and biases always stay float32.
 
-* ``fp32``: float32 arrays, ``x @ W`` exactly as jaxkv computed before formats existed.
-* ``bf16`` / ``fp16``: arrays of that dtype; activations stay float32 between layers and
-  each product is ``x @ W.astype(float32)`` inside the compiled step (XLA fuses the
-  convert into the dot's operand read: the weights cross memory at 2 bytes each).
+* ``fp32``: float32, ``x @ W`` as jaxkv computed before formats existed.
+* ``bf16`` / ``fp16``: that dtype; activations stay float32 between layers and each
+  product is ``x @ W`` with ``W`` converted inside the compiled step (the weights cross
+  memory at 2 bytes each).
 * ``int8``: symmetric int8 codes per block of 32 inputs, like GGUF ``Q8_0``:
   ``scale = max|w| / 127`` (1 where the block is all zero), ``q = round(w / scale)``,
-  ``w' = q * scale``; one float16 scale per (block, output).
+  ``w' = q * scale``; one float16 scale per (output, block).
 * ``q4``: 4-bit codes with a scale and a minimum per block of 32 inputs, like GGUF ``Q4_1``:
   ``scale = (max - min) / 15`` (1 where the block is constant), ``min = min``,
   ``q = clip(round((w - min) / scale), 0, 15)``, ``w' = q * scale + min``; two codes per
@@ -21,13 +22,22 @@ Both integer formats are dequantised on the fly inside the step (the compiled pr
 the int8 / uint8 codes as parameters; tests/test_weights.py checks its HLO). Scales are
 stored as float16 (as GGUF stores them) and applied in float32.
 
-Layout: a :class:`QuantizedWeight` stands for a matrix ``W[..., I, O]`` in jaxkv's
-``x @ W`` orientation (leading axes: the stacked layers L); its codes are
-``[..., I/32, 32, O]`` (int8) or ``[..., I/32, 16, O]`` (q4), its scales (and mins)
-``[..., I/32, O]``. An ``I`` that is not a multiple of 32 is padded with zero weights
-(and :func:`dense` pads ``x`` with zeros), so every shape is accepted. The embedding table
-``[V, D]`` is held as its transpose ``[D, V]`` (the tied LM head's orientation);
-:func:`embed_lookup` gathers the rows of the table and dequantises only those.
+Layout. jaxkv's matrices are ``W[..., I, O]`` in the ``x @ W`` orientation (leading axes:
+the stacked layers L; :func:`jaxkv.models.llama.weight_shapes`). A model *holds* each one
+transposed, ``[..., O, I]``, as ``torch.nn.Linear`` and GGUF do: :class:`TransposedWeight`
+for the float formats, :class:`QuantizedWeight` (codes ``[..., O, I/32, 32]`` int8 or
+``[..., O, I/32, 16]`` q4, scales and mins ``[..., O, I/32]``) for the integer ones. With
+the inputs on the minor axis, XLA CPU computes a one-token product (decode) as one loop
+that reads each weight where it lies, in its format: the layer scan's slice of the stacked
+weights, the conversion and the dequantisation all fuse into the dot, and nothing is
+copied or written per layer. Held as ``[..., I, O]``, the same step copied every layer's
+matrices out of the stack (fp32: 14.6 MB a layer on SmolLM2, every token) and wrote the
+dequantised float32 codes before each dot (the int8 LM head alone: 113 MB a token);
+docs/PERFORMANCE.md has the measurements. An ``I`` that is not a multiple of 32 is padded
+with zero weights (and :func:`dense` pads ``x`` with zeros), so every shape is accepted.
+The embedding table ``[V, D]`` is its own tied LM head ``[D, V]`` held transposed: a float
+table stays a plain array, a quantised one is the head's :class:`QuantizedWeight` (codes
+``[V, D/32, ...]``), and :func:`embed_lookup` gathers and dequantises only the rows it needs.
 """
 
 from __future__ import annotations
@@ -49,23 +59,58 @@ under ``q4`` they are int8, as in llama.cpp's Q4_1 files (SmolLM2's ``token_embd
 at 4 bits the tied head alone costs +8 % perplexity on SmolLM2)."""
 BLOCK = 32
 """Inputs per block of the integer formats (GGUF's ``QK8_0`` / ``QK4_1``)."""
-DEQUANTIZE_TOKENS = 8
-"""From this many tokens per product (B * T) on, :func:`dense` dequantises the whole matrix
-and does one float32 dot (prefill); below it (decode), it dots each block of 32 inputs
-with the raw codes and scales the partial sums: that reads 1 (int8) or 0.5 (q4) bytes per
-weight and never writes a float32 copy of the matrix."""
+
+
+class _Held:
+    """What both held forms share: ``w[...]`` is ``w`` itself, as for an array
+    (``nnx.Param(w)[...]`` reads it)."""
+
+    def __getitem__(self, key):
+        if key is not Ellipsis:
+            raise JaxkvError(f"{type(self).__name__}[{key!r}]: only [...] is supported (slice the leaves with jax.tree.map)")
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (every leaf)."""
+        return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(self))
 
 
 @struct.dataclass
-class QuantizedWeight:
-    """A matrix ``W[..., I, O]`` as integer codes per block of 32 inputs (a pytree; see the
-    module docstring for the formats and the layout).
+class TransposedWeight(_Held):
+    """A float matrix ``W[..., I, O]`` held as its transpose (a pytree; see the module docstring).
 
     Attributes:
-      codes: ``int8[..., I/32, 32, O]`` (``int8``) or ``uint8[..., I/32, 16, O]`` (``q4``,
+      t: ``[..., O, I]`` in any float dtype (float32, bfloat16, float16).
+    """
+
+    t: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape ``(..., I, O)``."""
+        return (*self.t.shape[:-2], self.t.shape[-1], self.t.shape[-2])
+
+    @property
+    def dtype(self):
+        """The dtype the matrix is held in."""
+        return self.t.dtype
+
+    def dequantize(self) -> jax.Array:
+        """The matrix ``[..., I, O]`` in its dtype (an XLA transpose: for tests and inspection)."""
+        return jnp.swapaxes(self.t, -1, -2)
+
+
+@struct.dataclass
+class QuantizedWeight(_Held):
+    """A matrix ``W[..., I, O]`` as integer codes per block of 32 inputs, held transposed
+    (a pytree; see the module docstring for the formats and the layout).
+
+    Attributes:
+      codes: ``int8[..., O, I/32, 32]`` (``int8``) or ``uint8[..., O, I/32, 16]`` (``q4``,
         two 4-bit codes a byte).
-      scales: ``float16[..., I/32, O]``.
-      mins: ``float16[..., I/32, O]`` (``q4``), or None (``int8``: symmetric).
+      scales: ``float16[..., O, I/32]``.
+      mins: ``float16[..., O, I/32]`` (``q4``), or None (``int8``: symmetric).
       n_in: I, the logical input width (the codes may hold zero padding up to a multiple of 32).
       format: ``"int8"`` or ``"q4"``.
     """
@@ -76,41 +121,36 @@ class QuantizedWeight:
     n_in: int = struct.field(pytree_node=False)
     format: str = struct.field(pytree_node=False)
 
-    def __getitem__(self, key):
-        """``w[...]`` is ``w`` itself, as for an array (``nnx.Param(w)[...]`` reads it)."""
-        if key is not Ellipsis:
-            raise JaxkvError(f"QuantizedWeight[{key!r}]: only [...] is supported (slice the leaves with jax.tree.map)")
-        return self
-
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical shape ``(..., I, O)``."""
-        return (*self.codes.shape[:-3], self.n_in, self.codes.shape[-1])
+        return (*self.codes.shape[:-3], self.n_in, self.codes.shape[-3])
 
     @property
     def dtype(self):
         """The codes' dtype (``int8``, or ``uint8`` for q4): what the weights are held as."""
         return self.codes.dtype
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held (codes, scales and mins)."""
-        return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(self))
+    def rows(self) -> jax.Array:
+        """The float32 transpose ``[..., O, I']`` the codes stand for (``I'``: I padded to a
+        multiple of 32 with zero weights). Inside a product this is never materialised for
+        one token: XLA fuses it into the dot."""
+        scales = self.scales.astype(jnp.float32)[..., None]
+        if self.format == "int8":
+            w = self.codes.astype(jnp.float32) * scales
+        else:  # low nibbles hold inputs 0..15 of a block, high nibbles 16..31
+            mins = self.mins.astype(jnp.float32)[..., None]
+            w = jnp.stack([(self.codes & 15).astype(jnp.float32) * scales + mins,
+                           (self.codes >> 4).astype(jnp.float32) * scales + mins], axis=-2)
+        return w.reshape(*self.codes.shape[:-2], -1)
 
     def dequantize(self) -> jax.Array:
         """The float32 matrix ``[..., I, O]`` the codes stand for."""
-        lead, n_blocks, out = self.codes.shape[:-3], self.codes.shape[-3], self.codes.shape[-1]
-        w = _codes_f32(self) * self.scales.astype(jnp.float32)[..., None, :]
-        if self.mins is not None:
-            w = w + self.mins.astype(jnp.float32)[..., None, :]
-        return w.reshape(*lead, n_blocks * BLOCK, out)[..., : self.n_in, :]
+        return jnp.swapaxes(self.rows()[..., : self.n_in], -1, -2)
 
 
-def _codes_f32(w: QuantizedWeight) -> jax.Array:
-    """The codes as float32 ``[..., I/32, 32, O]`` (q4: nibbles unpacked, low then high)."""
-    if w.format == "int8":
-        return w.codes.astype(jnp.float32)
-    return jnp.concatenate([w.codes & 15, w.codes >> 4], axis=-2).astype(jnp.float32)
+HELD_FORMS = (TransposedWeight, QuantizedWeight)
+"""The pytree types a model's matrices are held as."""
 
 
 def check_weight_format(value) -> str:
@@ -131,104 +171,117 @@ def quantize(w: np.ndarray, fmt: str) -> QuantizedWeight:
       w: float numpy array, at least 2-D; the blocks run along axis -2 (the inputs).
       fmt: ``"int8"`` (Q8_0-like) or ``"q4"`` (Q4_1-like); formulas in the module docstring.
     Returns:
-      the :class:`QuantizedWeight` (numpy leaves; jnp.asarray them to place on a device).
+      the :class:`QuantizedWeight` (numpy leaves, held transposed; jnp.asarray them to place
+      on a device).
     Raises:
       JaxkvError: another ``fmt``, or ``w`` of fewer than 2 dimensions.
     """
     if fmt not in ("int8", "q4"):
         raise JaxkvError(f"quantize: format {fmt!r}: expected 'int8' or 'q4'")
-    w = np.asarray(w, np.float32)
-    if w.ndim < 2:
-        raise JaxkvError(f"quantize: a weight of shape {w.shape}: expected a matrix [..., I, O]")
-    n_in, out = w.shape[-2:]
+    if np.ndim(w) < 2:
+        raise JaxkvError(f"quantize: a weight of shape {np.shape(w)}: expected a matrix [..., I, O]")
+    rows = np.swapaxes(np.asarray(w, np.float32), -1, -2)  # [..., O, I]: a view when w is float32
+    n_in = rows.shape[-1]
     pad = -n_in % BLOCK
     if pad:
-        w = np.concatenate([w, np.zeros((*w.shape[:-2], pad, out), np.float32)], axis=-2)
-    blocks = w.reshape(*w.shape[:-2], (n_in + pad) // BLOCK, BLOCK, out)
+        rows = np.concatenate([rows, np.zeros((*rows.shape[:-1], pad), np.float32)], axis=-1)
+    blocks = rows.reshape(*rows.shape[:-1], (n_in + pad) // BLOCK, BLOCK)
     if fmt == "int8":
-        scale = np.abs(blocks).max(axis=-2) / 127
+        scale = np.abs(blocks).max(axis=-1) / 127
         scale = np.where(scale == 0, 1, scale).astype(np.float16)
-        codes = np.clip(np.round(blocks / scale.astype(np.float32)[..., None, :]), -127, 127).astype(np.int8)
+        codes = np.clip(np.round(blocks / scale.astype(np.float32)[..., None]), -127, 127).astype(np.int8)
         return QuantizedWeight(codes=codes, scales=scale, mins=None, n_in=n_in, format=fmt)
-    low, high = blocks.min(axis=-2), blocks.max(axis=-2)
+    low, high = blocks.min(axis=-1), blocks.max(axis=-1)
     scale = (high - low) / 15
     scale = np.where(scale == 0, 1, scale).astype(np.float16)
     low = low.astype(np.float16)
-    q = np.clip(np.round((blocks - low.astype(np.float32)[..., None, :]) / scale.astype(np.float32)[..., None, :]), 0, 15)
+    q = np.clip(np.round((blocks - low.astype(np.float32)[..., None]) / scale.astype(np.float32)[..., None]), 0, 15)
     q = q.astype(np.uint8)
-    codes = q[..., : BLOCK // 2, :] | (q[..., BLOCK // 2 :, :] << 4)
+    codes = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
     return QuantizedWeight(codes=codes, scales=scale, mins=low, n_in=n_in, format=fmt)
 
 
-def convert(w: np.ndarray, fmt: str):
-    """A float matrix ``w[..., I, O]`` held in weight format ``fmt``: a jax array of
-    :data:`FLOAT_FORMATS` dtype, or a :class:`QuantizedWeight` with jax leaves.
+def convert(w: np.ndarray, fmt: str) -> TransposedWeight | QuantizedWeight:
+    """A float matrix ``w[..., I, O]`` held in weight format ``fmt`` (jax leaves): a
+    :class:`TransposedWeight` of :data:`FLOAT_FORMATS` dtype, or a :class:`QuantizedWeight`.
 
     Raises:
       JaxkvError: ``fmt`` not in :data:`WEIGHT_FORMATS`.
     """
     check_weight_format(fmt)
     if fmt in FLOAT_FORMATS:
-        return jnp.asarray(w, FLOAT_FORMATS[fmt])
+        return TransposedWeight(t=jnp.asarray(np.swapaxes(w, -1, -2), FLOAT_FORMATS[fmt]))
     return jax.tree.map(jnp.asarray, quantize(w, fmt))
 
 
 def dense(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
-    """``x @ W`` for a weight in any format: the one projection of every layer and the LM head.
+    """``x @ W`` for a weight in any form: the one projection of every layer and the LM head.
 
     Args:
       x: ``[..., I]`` activations.
-      w: ``[I, O]``: an array (any float dtype), or a :class:`QuantizedWeight`.
-      preferred_element_type: for an array of ``x``'s dtype: the dot's result dtype
+      w: ``[I, O]``: an array (any float dtype; a custom model's own weights), a
+        :class:`TransposedWeight` or a :class:`QuantizedWeight`.
+      preferred_element_type: for weights of ``x``'s dtype: the dot's result dtype
         (None: ``x @ w``'s).
     Returns:
       ``[..., O]``: in ``x``'s dtype (or ``preferred_element_type``) when ``w`` has it;
-      float32 otherwise (a lower-precision array is upcast inside the dot; integer codes
-      are dequantised on the fly, see :data:`DEQUANTIZE_TOKENS`).
+      float32 otherwise (lower-precision weights are converted, integer codes dequantised,
+      inside the dot).
     """
-    if not isinstance(w, QuantizedWeight):
-        if w.dtype == x.dtype:
-            return x @ w if preferred_element_type is None else jnp.dot(x, w, preferred_element_type=preferred_element_type)
-        return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
-    x = x.astype(jnp.float32)
-    if int(np.prod(x.shape[:-1])) >= DEQUANTIZE_TOKENS:
-        return x @ w.dequantize()
-    n_blocks = w.codes.shape[-3]
-    if x.shape[-1] != n_blocks * BLOCK:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n_blocks * BLOCK - x.shape[-1])])
-    xb = x.reshape(*x.shape[:-1], n_blocks, BLOCK)
-    if w.format == "int8":
-        partial = jnp.einsum("...bk,bko->...bo", xb, w.codes.astype(jnp.float32))
-    else:  # low nibbles hold inputs 0..15 of a block, high nibbles 16..31
-        half = BLOCK // 2
-        partial = (jnp.einsum("...bk,bko->...bo", xb[..., :half], (w.codes & 15).astype(jnp.float32))
-                   + jnp.einsum("...bk,bko->...bo", xb[..., half:], (w.codes >> 4).astype(jnp.float32)))
-    y = jnp.einsum("...bo,bo->...o", partial, w.scales.astype(jnp.float32))
-    if w.mins is not None:
-        y = y + jnp.einsum("...b,bo->...o", xb.sum(-1), w.mins.astype(jnp.float32))
-    return y
+    if isinstance(w, QuantizedWeight):
+        x = x.astype(jnp.float32)
+        padded = w.codes.shape[-2] * BLOCK
+        if x.shape[-1] != padded:
+            x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - x.shape[-1])])
+        return x @ w.rows().T
+    if isinstance(w, TransposedWeight):
+        if w.t.dtype == x.dtype:
+            return x @ w.t.T if preferred_element_type is None else jnp.dot(x, w.t.T, preferred_element_type=preferred_element_type)
+        return x.astype(jnp.float32) @ w.t.T.astype(jnp.float32)
+    if w.dtype == x.dtype:
+        return x @ w if preferred_element_type is None else jnp.dot(x, w, preferred_element_type=preferred_element_type)
+    return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
 
 
 def embed_lookup(table, tokens: jax.Array) -> jax.Array:
     """Rows of an embedding table for ``tokens``.
 
     Args:
-      table: ``[V, D]`` array, or a :class:`QuantizedWeight` of its transpose ``[D, V]``.
+      table: ``[V, D]`` array, or the :class:`QuantizedWeight` of its transpose ``[D, V]``
+        (codes ``[V, D/32, ...]``).
       tokens: int32 ids ``[B, T]``.
     Returns:
       ``[B, T, D]``: in the table's dtype for an array; float32 for a QuantizedWeight (only
-      the gathered columns are dequantised).
+      the gathered rows are dequantised).
     """
     if not isinstance(table, QuantizedWeight):
         return jnp.take(table, tokens, axis=0)
-    picked = QuantizedWeight(codes=jnp.take(table.codes, tokens.reshape(-1), axis=-1),
-                             scales=jnp.take(table.scales, tokens.reshape(-1), axis=-1),
-                             mins=None if table.mins is None else jnp.take(table.mins, tokens.reshape(-1), axis=-1),
+    ids = tokens.reshape(-1)
+    picked = QuantizedWeight(codes=jnp.take(table.codes, ids, axis=0), scales=jnp.take(table.scales, ids, axis=0),
+                             mins=None if table.mins is None else jnp.take(table.mins, ids, axis=0),
                              n_in=table.n_in, format=table.format)
-    return picked.dequantize().T.reshape(*tokens.shape, table.n_in)
+    return picked.rows()[:, : table.n_in].reshape(*tokens.shape, table.n_in)
 
 
-def tied_head(table):
-    """The LM head ``[D, V]`` of a tied embedding table (``table.T`` for an array; a
-    :class:`QuantizedWeight` already holds the transpose)."""
-    return table if isinstance(table, QuantizedWeight) else table.T
+def tied_head(table) -> TransposedWeight | QuantizedWeight:
+    """The LM head ``[D, V]`` of a tied embedding table ``[V, D]``: the table itself is the
+    head held transposed (a :class:`QuantizedWeight` table already is the head's)."""
+    return table if isinstance(table, QuantizedWeight) else TransposedWeight(t=table)
+
+
+def as_held(w) -> TransposedWeight | QuantizedWeight:
+    """``w`` as a model holds it: a float array ``[..., I, O]`` becomes its
+    :class:`TransposedWeight` (same dtype); a held form is returned as it is."""
+    return w if isinstance(w, HELD_FORMS) else TransposedWeight(t=jnp.swapaxes(w, -1, -2))
+
+
+def legacy_leaves(w) -> tuple[np.ndarray, ...]:
+    """The leaves of a held matrix as jaxkv held them before the transposed layout, in their
+    pytree order: ``(W[..., I, O],)`` for a :class:`TransposedWeight`; codes
+    ``[..., I/32, 32 or 16, O]``, scales (and mins) ``[..., I/32, O]`` for a
+    :class:`QuantizedWeight`. What a chat file's weights fingerprint hashes
+    (:func:`jaxkv.decode.chat.model_fingerprint`), so that files saved before still resume."""
+    if isinstance(w, TransposedWeight):
+        return (np.swapaxes(np.asarray(w.t), -1, -2),)
+    out = (np.moveaxis(np.asarray(w.codes), -3, -1), np.swapaxes(np.asarray(w.scales), -1, -2))
+    return out if w.mins is None else (*out, np.swapaxes(np.asarray(w.mins), -1, -2))
