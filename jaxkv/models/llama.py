@@ -69,7 +69,7 @@ from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.errors import JaxkvError
 from jaxkv.models.blocks import gated_mlp, pre_norm_residual, qkv_projection, rms_norm
 from jaxkv.models.family import Family, Format
-from jaxkv.models.weights import (FLOAT_FORMATS, HEAD_FORMATS, HELD_FORMS, TransposedWeight, as_held, check_weight_format, convert, dense,
+from jaxkv.models.weights import (FLOAT_FORMATS, HEAD_FORMATS, HELD_FORMS, as_held, check_weight_format, convert, dense,
                                   embed_lookup, tied_head)
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -455,16 +455,17 @@ class Llama(nnx.Module):
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype))
         for name in shapes:
             fmt = HEAD_FORMATS.get(weight_format, weight_format) if name in ("embed", "lm_head") else weight_format
+            held_dtype = dtype if fmt == "fp32" else FLOAT_FORMATS.get(fmt)  # None: an integer format
             if isinstance(weights[name], HELD_FORMS):  # a model's own state (nnx.to_pure_dict), kept as held
                 value = weights[name]
             elif name not in MATRICES:
                 value = jnp.asarray(weights[name], dtype)
-            elif name == "embed" and fmt in FLOAT_FORMATS:  # a float table [V, D] is its own head held transposed
-                value = jnp.asarray(weights[name], dtype if fmt == "fp32" else FLOAT_FORMATS[fmt])
+            elif name == "embed" and held_dtype is not None:  # a float table [V, D] is its own head held transposed
+                value = jnp.asarray(weights[name], held_dtype)
             elif name == "embed":  # quantised as the tied head [D, V]
                 value = convert(np.asarray(weights[name]).T, fmt)
-            elif fmt == "fp32":
-                value = TransposedWeight(t=jnp.asarray(np.swapaxes(weights[name], -1, -2), dtype))
+            elif held_dtype is not None:
+                value = as_held(jnp.asarray(weights[name], held_dtype))
             else:
                 value = convert(weights[name], fmt)
             setattr(model, name, nnx.Param(value))

@@ -210,7 +210,7 @@ def convert(w: np.ndarray, fmt: str) -> TransposedWeight | QuantizedWeight:
     """
     check_weight_format(fmt)
     if fmt in FLOAT_FORMATS:
-        return TransposedWeight(t=jnp.asarray(np.swapaxes(w, -1, -2), FLOAT_FORMATS[fmt]))
+        return as_held(jnp.asarray(w, FLOAT_FORMATS[fmt]))
     return jax.tree.map(jnp.asarray, quantize(w, fmt))
 
 
