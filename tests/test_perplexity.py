@@ -77,7 +77,9 @@ def test_full_cache_perplexity_equals_one_forward_pass_stories(stories, story_id
     ids = story_ids[:200]
     nll = token_nll(stories, ids, chunk=64)  # several chunks
     expected = one_pass_nll(stories, ids)
-    np.testing.assert_allclose(nll, expected, atol=1e-5, rtol=0)
+    # float32 summation order: jax 0.5.0's XLA sums a one-token product of the transposed weights in
+    # one loop, its chunks in a blocked GEMM (measured 1.12e-5 there; below 1e-5 on jax 0.10)
+    np.testing.assert_allclose(nll, expected, atol=2e-5, rtol=0)
     assert perplexity(nll) == pytest.approx(np.exp(expected.mean()), rel=1e-5)
     assert 1.0 < perplexity(nll) < 20.0
 

@@ -49,11 +49,14 @@ KIVI = dict(kv_quantize="int4", group_size=4, residual=4, scale_dtype="float32")
 ])
 def test_decode_matches_the_reference_tier_slot_by_slot(rule, positions, storage):
     """Token by token over five window lengths, on a float window and on a KIVI int4 window
-    (whose evicted groups join the tier dequantised): logits to 2e-5 (1e-4 with a quantised
-    tier, 5e-4 with a float16 residual), the kept set exactly, the scores to 1e-4 (float32 against the
+    (whose evicted groups join the tier dequantised): logits to 2e-5 (5e-4 with a quantised
+    tier or a float16 residual), the kept set exactly, the scores to 1e-4 (float32 against the
     reference's float64 mass)."""
     spec = CacheSpec(sink=2, window=8, keep=6, keep_score=rule, positions=positions, **storage)
-    atol = 5e-4 if "residual_dtype" in storage else 1e-4 if "keep_quantize" in storage else 2e-5  # as test_kivi_cache
+    # as test_kivi_cache; a quantised tier 5e-4: a tier value at a rounding boundary can take the other
+    # code under another float32 summation order (jax 0.5.0, int2 + Hadamard tier: one code flips at
+    # token 21, max 3.3e-4 until it leaves; jax 0.10: the same codes, 1.4e-6)
+    atol = 5e-4 if "residual_dtype" in storage or "keep_quantize" in storage else 2e-5
     tokens = tokens_for(2 + 5 * 8 + 3, seed=3)
     model = tiny_model()
     gd, st = nnx.split(model)
