@@ -18,7 +18,7 @@ from conftest import decode_loop_hlo
 from jaxkv import CacheSpec, JaxkvError, forward
 from jaxkv.decode import new_cache
 from jaxkv.models.llama import MATRICES, Llama
-from jaxkv.models.weights import QuantizedWeight, dense, embed_lookup, quantize
+from jaxkv.models.weights import QuantizedWeight, dense, embed_lookup, legacy_leaves, quantize
 from jaxkv.testing import numpy_weights, tiny_model
 from test_cli_ux import STORIES, cli, one_error_line
 
@@ -58,7 +58,7 @@ def test_int8_codes_match_the_reference_and_gguf_q8_0():
     w[32:, 2] = 0  # an all-zero block: scale 1, codes 0
     qw = quantize(w, "int8")
     codes, scales = ref_int8(w)
-    np.testing.assert_array_equal(np.asarray(qw.codes).reshape(5, 64).T, codes)  # held transposed: [O, I/32, 32]
+    np.testing.assert_array_equal(np.asarray(qw.codes).T, codes)  # held transposed: [O, I]
     np.testing.assert_array_equal(np.asarray(qw.scales).T, scales)
     # the same blocks as GGUF Q8_0 bytes (per output row: f16 d, 32 int8 codes), through gguf's dequantiser
     raw = np.concatenate([np.concatenate([scales[b, o : o + 1].view(np.uint8), codes[32 * b : 32 * b + 32, o].view(np.uint8)])
@@ -72,12 +72,14 @@ def test_q4_codes_match_the_reference_and_gguf_q4_1():
     w[:32, 3] = 0.25  # a constant block: scale 1, min 0.25, codes 0, reconstructed exactly
     qw = quantize(w, "q4")
     codes, scales, mins = ref_q4(w)
-    packed = np.asarray(qw.codes)  # [O, I/32, 16]: input j in the low nibble, j + 16 in the high one
-    unpacked = np.concatenate([packed & 15, packed >> 4], axis=-1).reshape(5, 64).T
-    np.testing.assert_array_equal(unpacked, codes)
+    packed = np.asarray(qw.codes)  # [O, I/2]: input j in the low nibble, j + I/2 in the high one
+    assert packed.shape == (5, 32)
+    np.testing.assert_array_equal(np.concatenate([packed & 15, packed >> 4], axis=-1).T, codes)
     np.testing.assert_array_equal(np.asarray(qw.scales).T, scales)
     np.testing.assert_array_equal(np.asarray(qw.mins).T, mins)
-    raw = np.concatenate([np.concatenate([scales[b, o : o + 1].view(np.uint8), mins[b, o : o + 1].view(np.uint8), packed[o, b]])
+    ggml = codes.astype(np.uint8).reshape(2, 2, 16, 5)  # ggml's Q4_1 block: inputs j and j + 16 share byte j
+    ggml = ggml[:, 0] | (ggml[:, 1] << 4)  # [block, 16, O]
+    raw = np.concatenate([np.concatenate([scales[b, o : o + 1].view(np.uint8), mins[b, o : o + 1].view(np.uint8), ggml[b, :, o]])
                           for o in range(5) for b in range(2)]).reshape(5, -1)
     deq = np.asarray(qw.dequantize())
     np.testing.assert_allclose(deq, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).T, rtol=0, atol=1e-6)
@@ -137,14 +139,14 @@ HELD_AS = {"bf16": "bf16", "fp16": "f16", "int8": "s8", "q4": "u8"}
 @pytest.mark.parametrize("fmt", list(HELD_AS))
 def test_compiled_decode_step_takes_the_weights_in_their_format(fmt):
     """The entry parameters of the compiled decode loop: the stacked w_gate [L=2, D=32, F=48],
-    held transposed ([2, 48, 32]; codes [2, 48, 1, 32 or 16] for int8 / q4), arrives in its
+    held transposed ([2, 48, 32]; codes [2, 48, 32] int8 or [2, 48, 16] q4), arrives in its
     format, and no float32 parameter has a matrix's shape, either orientation (a later change
     cannot upcast them at load time)."""
     model = Llama.from_weights(tiny_model().config, numpy_weights(tiny_model()), weight_format=fmt)
     hlo = decode_loop_hlo(model, CacheSpec(sink=2, window=8))
     entry = hlo[hlo.index("ENTRY"):]
     params = re.findall(r"= (\w+)\[([\d,]*)\]\{[^}]*\} parameter\(\d+\)", entry.split("\n}\n")[0])
-    shape = {"bf16": "2,48,32", "fp16": "2,48,32", "int8": "2,48,1,32", "q4": "2,48,1,16"}[fmt]
+    shape = {"bf16": "2,48,32", "fp16": "2,48,32", "int8": "2,48,32", "q4": "2,48,16"}[fmt]
     assert (HELD_AS[fmt], shape) in params, params
     matrices = {"2,32,32", "2,32,16", "2,16,32", "2,32,48", "2,48,32", "64,32", "32,64"}  # wq, wk/wv, w_gate/up, w_down, embed
     assert not [p for p in params if p[0] == "f32" and p[1] in matrices], params
@@ -159,3 +161,20 @@ def test_a_weight_format_with_a_low_precision_dtype_is_refused():
     model = tiny_model()
     with pytest.raises(JaxkvError, match="weights='int8' computes in float32 between layers: expected dtype float32, got bfloat16"):
         Llama.from_weights(model.config, numpy_weights(model), dtype=jnp.bfloat16, weight_format="int8")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
+def test_legacy_leaves_are_the_layout_chat_fingerprints_hash(fmt):
+    """A chat file's weights fingerprint hashes the codes as jaxkv held them before they were
+    held transposed and flat: int8 codes [I/32, 32, O]; q4 in ggml's packing [I/32, 16, O]
+    (inputs j and j + 16 of a block share byte j); scales and mins [I/32, O]."""
+    w = RNG.standard_normal((64, 5)).astype(np.float32)
+    ref = ref_int8(w) if fmt == "int8" else ref_q4(w)
+    codes = ref[0].reshape(2, 32, 5)
+    if fmt == "q4":
+        codes = codes[:, :16].astype(np.uint8) | (codes[:, 16:].astype(np.uint8) << 4)
+    leaves = legacy_leaves(quantize(w, fmt))
+    assert len(leaves) == len(ref)
+    np.testing.assert_array_equal(leaves[0], codes)
+    for got, want in zip(leaves[1:], ref[1:]):
+        np.testing.assert_array_equal(got, want)

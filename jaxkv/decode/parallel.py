@@ -169,8 +169,9 @@ def param_partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, *, n_kv_
 
     ``held``: the field of a held matrix this leaf of ``shape`` is (``"t"`` of a
     :class:`~jaxkv.models.weights.TransposedWeight`, ``"codes"``/``"scales"``/``"mins"`` of a
-    :class:`~jaxkv.models.weights.QuantizedWeight`, all ``[..., O, I or I/32, ...]``): the
-    family's axis is mapped to where the leaf holds it (an input axis of codes: its blocks)."""
+    :class:`~jaxkv.models.weights.QuantizedWeight`, all ``[..., O, I]``, ``[..., O, I/2]`` (q4
+    codes) or ``[..., O, I/32]`` (scales, mins)): the family's axis is mapped to where the leaf
+    holds it."""
     kv = mesh.shape["kv"]
     if kv == 1:
         return P()
@@ -179,7 +180,7 @@ def param_partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, *, n_kv_
     if axis is None:
         axis = family.mlp_axes.get(name)
     if axis is not None and held is not None:
-        rank = len(shape) - (held == "codes")  # the rank of W[..., I, O]
+        rank = len(shape)  # held leaves have the rank of W[..., I, O]
         axis = rank - 2 if axis == rank - 1 else rank - 1 if axis == rank - 2 else axis
     if axis is None or shape[axis] % kv:
         return P()

@@ -15,8 +15,11 @@ held in one of :data:`WEIGHT_FORMATS`; norms and biases always stay float32.
 * ``q4``: 4-bit codes with a scale and a minimum per block of 32 inputs, like GGUF ``Q4_1``:
   ``scale = (max - min) / 15`` (1 where the block is constant), ``min = min``,
   ``q = clip(round((w - min) / scale), 0, 15)``, ``w' = q * scale + min``; two codes per
-  ``uint8``, input ``j`` of a block in the low nibble and input ``j + 16`` in the high
-  nibble of byte ``j`` (ggml's packing); float16 scales and minimums.
+  ``uint8``: byte ``j`` of a row holds input ``j`` in its low nibble and input ``j + I'/2``
+  in its high one (``I'``: the row's padded width), so each half of the row unpacks with
+  one mask or one shift (ggml instead pairs ``j`` and ``j + 16`` within a block: held that
+  way, XLA CPU's fused product indexed every nibble through the block and ran 4x slower);
+  float16 scales and minimums.
 
 Both integer formats are dequantised on the fly inside the step (the compiled program takes
 the int8 / uint8 codes as parameters; tests/test_weights.py checks its HLO). Scales are
@@ -25,19 +28,22 @@ stored as float16 (as GGUF stores them) and applied in float32.
 Layout. jaxkv's matrices are ``W[..., I, O]`` in the ``x @ W`` orientation (leading axes:
 the stacked layers L; :func:`jaxkv.models.llama.weight_shapes`). A model *holds* each one
 transposed, ``[..., O, I]``, as ``torch.nn.Linear`` and GGUF do: :class:`TransposedWeight`
-for the float formats, :class:`QuantizedWeight` (codes ``[..., O, I/32, 32]`` int8 or
-``[..., O, I/32, 16]`` q4, scales and mins ``[..., O, I/32]``) for the integer ones. With
+for the float formats, :class:`QuantizedWeight` (codes ``[..., O, I]`` int8 or
+``[..., O, I/2]`` q4, flat along the inputs; scales and mins ``[..., O, I/32]``) for the
+integer ones. With
 the inputs on the minor axis, XLA CPU computes a one-token product (decode) as one loop
 that reads each weight where it lies, in its format: the layer scan's slice of the stacked
 weights, the conversion and the dequantisation all fuse into the dot, and nothing is
 copied or written per layer. Held as ``[..., I, O]``, the same step copied every layer's
 matrices out of the stack (fp32: 14.6 MB a layer on SmolLM2, every token) and wrote the
-dequantised float32 codes before each dot (the int8 LM head alone: 113 MB a token);
+dequantised float32 codes before each dot (the int8 LM head alone: 113 MB a token); and
+with the codes shaped ``[..., O, I/32, 32]`` (blocks as an axis) the fused int8 product ran
+7x slower on an Intel Xeon (Sapphire Rapids) than with the same bytes shaped ``[..., O, I]``;
 docs/PERFORMANCE.md has the measurements. An ``I`` that is not a multiple of 32 is padded
 with zero weights (and :func:`dense` pads ``x`` with zeros), so every shape is accepted.
 The embedding table ``[V, D]`` is its own tied LM head ``[D, V]`` held transposed: a float
 table stays a plain array, a quantised one is the head's :class:`QuantizedWeight` (codes
-``[V, D/32, ...]``), and :func:`embed_lookup` gathers and dequantises only the rows it needs.
+``[V, D or D/2]``), and :func:`embed_lookup` gathers and dequantises only the rows it needs.
 """
 
 from __future__ import annotations
@@ -107,8 +113,8 @@ class QuantizedWeight(_Held):
     (a pytree; see the module docstring for the formats and the layout).
 
     Attributes:
-      codes: ``int8[..., O, I/32, 32]`` (``int8``) or ``uint8[..., O, I/32, 16]`` (``q4``,
-        two 4-bit codes a byte).
+      codes: ``int8[..., O, I']`` (``int8``) or ``uint8[..., O, I'/2]`` (``q4``, two 4-bit
+        codes a byte: inputs ``j`` and ``j + I'/2``); ``I'`` is I padded to a multiple of 32.
       scales: ``float16[..., O, I/32]``.
       mins: ``float16[..., O, I/32]`` (``q4``), or None (``int8``: symmetric).
       n_in: I, the logical input width (the codes may hold zero padding up to a multiple of 32).
@@ -124,7 +130,7 @@ class QuantizedWeight(_Held):
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical shape ``(..., I, O)``."""
-        return (*self.codes.shape[:-3], self.n_in, self.codes.shape[-3])
+        return (*self.codes.shape[:-2], self.n_in, self.codes.shape[-2])
 
     @property
     def dtype(self):
@@ -135,14 +141,12 @@ class QuantizedWeight(_Held):
         """The float32 transpose ``[..., O, I']`` the codes stand for (``I'``: I padded to a
         multiple of 32 with zero weights). Inside a product this is never materialised for
         one token: XLA fuses it into the dot."""
-        scales = self.scales.astype(jnp.float32)[..., None]
+        shape = (*self.scales.shape, BLOCK)
+        per_input = lambda a: jnp.broadcast_to(a.astype(jnp.float32)[..., None], shape).reshape(*shape[:-2], -1)  # noqa: E731
         if self.format == "int8":
-            w = self.codes.astype(jnp.float32) * scales
-        else:  # low nibbles hold inputs 0..15 of a block, high nibbles 16..31
-            mins = self.mins.astype(jnp.float32)[..., None]
-            w = jnp.stack([(self.codes & 15).astype(jnp.float32) * scales + mins,
-                           (self.codes >> 4).astype(jnp.float32) * scales + mins], axis=-2)
-        return w.reshape(*self.codes.shape[:-2], -1)
+            return self.codes.astype(jnp.float32) * per_input(self.scales)
+        codes = jnp.concatenate([self.codes & 15, self.codes >> 4], axis=-1)  # low nibbles: the first half
+        return codes.astype(jnp.float32) * per_input(self.scales) + per_input(self.mins)
 
     def dequantize(self) -> jax.Array:
         """The float32 matrix ``[..., I, O]`` the codes stand for."""
@@ -190,14 +194,15 @@ def quantize(w: np.ndarray, fmt: str) -> QuantizedWeight:
         scale = np.abs(blocks).max(axis=-1) / 127
         scale = np.where(scale == 0, 1, scale).astype(np.float16)
         codes = np.clip(np.round(blocks / scale.astype(np.float32)[..., None]), -127, 127).astype(np.int8)
-        return QuantizedWeight(codes=codes, scales=scale, mins=None, n_in=n_in, format=fmt)
+        return QuantizedWeight(codes=codes.reshape(rows.shape), scales=scale, mins=None, n_in=n_in, format=fmt)
     low, high = blocks.min(axis=-1), blocks.max(axis=-1)
     scale = (high - low) / 15
     scale = np.where(scale == 0, 1, scale).astype(np.float16)
     low = low.astype(np.float16)
     q = np.clip(np.round((blocks - low.astype(np.float32)[..., None]) / scale.astype(np.float32)[..., None]), 0, 15)
-    q = q.astype(np.uint8)
-    codes = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
+    q = q.astype(np.uint8).reshape(rows.shape)
+    half = q.shape[-1] // 2
+    codes = q[..., :half] | (q[..., half:] << 4)
     return QuantizedWeight(codes=codes, scales=scale, mins=low, n_in=n_in, format=fmt)
 
 
@@ -230,7 +235,7 @@ def dense(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     """
     if isinstance(w, QuantizedWeight):
         x = x.astype(jnp.float32)
-        padded = w.codes.shape[-2] * BLOCK
+        padded = w.scales.shape[-1] * BLOCK
         if x.shape[-1] != padded:
             x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - x.shape[-1])])
         return x @ w.rows().T
@@ -248,7 +253,7 @@ def embed_lookup(table, tokens: jax.Array) -> jax.Array:
 
     Args:
       table: ``[V, D]`` array, or the :class:`QuantizedWeight` of its transpose ``[D, V]``
-        (codes ``[V, D/32, ...]``).
+        (codes ``[V, D or D/2]``).
       tokens: int32 ids ``[B, T]``.
     Returns:
       ``[B, T, D]``: in the table's dtype for an array; float32 for a QuantizedWeight (only
@@ -278,10 +283,17 @@ def as_held(w) -> TransposedWeight | QuantizedWeight:
 def legacy_leaves(w) -> tuple[np.ndarray, ...]:
     """The leaves of a held matrix as jaxkv held them before the transposed layout, in their
     pytree order: ``(W[..., I, O],)`` for a :class:`TransposedWeight`; codes
-    ``[..., I/32, 32 or 16, O]``, scales (and mins) ``[..., I/32, O]`` for a
-    :class:`QuantizedWeight`. What a chat file's weights fingerprint hashes
-    (:func:`jaxkv.decode.chat.model_fingerprint`), so that files saved before still resume."""
+    ``[..., I/32, 32 or 16, O]`` (q4 in ggml's packing: inputs ``j`` and ``j + 16`` of a block
+    share byte ``j``), scales (and mins) ``[..., I/32, O]`` for a :class:`QuantizedWeight`.
+    What a chat file's weights fingerprint hashes (:func:`jaxkv.decode.chat.model_fingerprint`),
+    so that files saved before still resume."""
     if isinstance(w, TransposedWeight):
         return (np.swapaxes(np.asarray(w.t), -1, -2),)
-    out = (np.moveaxis(np.asarray(w.codes), -3, -1), np.swapaxes(np.asarray(w.scales), -1, -2))
+    codes = np.asarray(w.codes)
+    if w.format == "q4":  # back to one code a byte, [..., O, I']
+        codes = np.concatenate([codes & 15, codes >> 4], axis=-1)
+    blocks = codes.reshape(*codes.shape[:-1], -1, BLOCK)
+    if w.format == "q4":
+        blocks = blocks[..., : BLOCK // 2] | (blocks[..., BLOCK // 2 :] << 4)
+    out = (np.moveaxis(blocks, -3, -1), np.swapaxes(np.asarray(w.scales), -1, -2))
     return out if w.mins is None else (*out, np.swapaxes(np.asarray(w.mins), -1, -2))
