@@ -38,7 +38,7 @@ copied or written per layer. Held as ``[..., I, O]``, the same step copied every
 matrices out of the stack (fp32: 14.6 MB a layer on SmolLM2, every token) and wrote the
 dequantised float32 codes before each dot (the int8 LM head alone: 113 MB a token); and
 with the codes shaped ``[..., O, I/32, 32]`` (blocks as an axis) the fused int8 product ran
-7x slower on an Intel Xeon (Sapphire Rapids) than with the same bytes shaped ``[..., O, I]``;
+7x slower on an Intel Xeon (AVX-512, AMX) than with the same bytes shaped ``[..., O, I]``;
 docs/PERFORMANCE.md has the measurements. An ``I`` that is not a multiple of 32 is padded
 with zero weights (and :func:`dense` pads ``x`` with zeros), so every shape is accepted.
 The embedding table ``[V, D]`` is its own tied LM head ``[D, V]`` held transposed: a float
