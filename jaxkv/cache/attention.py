@@ -155,13 +155,14 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
         part = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
         if seg.value_rotation is not None:  # values stored as v @ M: (p @ v M) @ M.T = p @ v
             part = rotation.rotate(part, seg.value_rotation.T)
-        outs.append(jnp.transpose(part, (0, 3, 1, 2, 4)).reshape(-1))  # [B*T*N*H], the output's layout
+        outs.append(jnp.transpose(part, (0, 3, 1, 2, 4)).reshape(b, t, n_heads * h))  # the output's layout
         offset += size
     # The segments' sum, as a product with ones: XLA CPU then writes the attention output as one
-    # flat array. Added elementwise, the sum fused into the output projection's one-token dot,
+    # array. Added elementwise, the sum fused into the output projection's one-token dot,
     # recomputed for every output row and indexed through [K, G, H] there (SmolLM2 int8:
     # 0.36 ms a layer for wo, 0.07 for wq of the same shape; docs/PERFORMANCE.md).
-    out = (jnp.ones(len(outs), jnp.float32) @ jnp.stack(outs)).reshape(b, t, n_heads, h).astype(dtype)
+    out = jnp.tensordot(jnp.ones(len(outs), jnp.float32), jnp.stack(outs), axes=1)
+    out = out.reshape(b, t, n_heads, h).astype(dtype)
     if not mass:
         return out, k_store, v
     zeros = lambda n: jnp.zeros((b, n), jnp.float32)  # noqa: E731

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv.models.weights import dense
+from jaxkv.models.weights import as_vector, dense
 
 
 def rms_norm(x, weight, eps: float):
@@ -25,11 +25,11 @@ def rms_norm(x, weight, eps: float):
       weight: ``[D]`` scale.
       eps: added to the mean square before the square root.
     Returns:
-      ``[..., D]`` in ``x.dtype``.
+      ``[..., D]`` in ``x.dtype`` (one row computed as a vector: :func:`~jaxkv.models.weights.as_vector`).
     """
-    xf = x.astype(jnp.float32)
+    xf = as_vector(x).astype(jnp.float32)
     y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+    return (y * weight.astype(jnp.float32)).astype(x.dtype).reshape(x.shape)
 
 
 def pre_norm_residual(x, norm_weight, eps: float, sublayer):
@@ -84,7 +84,8 @@ def gated_mlp(h, w_gate, w_up, w_down, activation=jax.nn.silu):
     Returns:
       ``[B, T, D]``.
     """
-    return dense(activation(dense(h, w_gate)) * dense(h, w_up), w_down)
+    gate, up = as_vector(dense(h, w_gate)), as_vector(dense(h, w_up))  # one row: vectors (as_vector)
+    return dense(activation(gate) * up, w_down).reshape(*h.shape[:-1], -1)
 
 
 swiglu = gated_mlp  # the SwiGLU MLP: gated_mlp's default activation (the name of jaxkv <= 0.1)
