@@ -145,8 +145,7 @@ class QuantizedWeight(_Held):
         per_input = lambda a: jnp.broadcast_to(a.astype(jnp.float32)[..., None], shape).reshape(*shape[:-2], -1)  # noqa: E731
         if self.format == "int8":
             return self.codes.astype(jnp.float32) * per_input(self.scales)
-        codes = jnp.concatenate([self.codes & 15, self.codes >> 4], axis=-1)  # low nibbles: the first half
-        return codes.astype(jnp.float32) * per_input(self.scales) + per_input(self.mins)
+        return _unpack_halves(self.codes, jnp).astype(jnp.float32) * per_input(self.scales) + per_input(self.mins)
 
     def dequantize(self) -> jax.Array:
         """The float32 matrix ``[..., I, O]`` the codes stand for."""
@@ -200,10 +199,19 @@ def quantize(w: np.ndarray, fmt: str) -> QuantizedWeight:
     scale = np.where(scale == 0, 1, scale).astype(np.float16)
     low = low.astype(np.float16)
     q = np.clip(np.round((blocks - low.astype(np.float32)[..., None]) / scale.astype(np.float32)[..., None]), 0, 15)
-    q = q.astype(np.uint8).reshape(rows.shape)
-    half = q.shape[-1] // 2
-    codes = q[..., :half] | (q[..., half:] << 4)
+    codes = _pack_halves(q.astype(np.uint8).reshape(rows.shape))
     return QuantizedWeight(codes=codes, scales=scale, mins=low, n_in=n_in, format=fmt)
+
+
+def _pack_halves(q: np.ndarray) -> np.ndarray:
+    """4-bit codes ``uint8[..., n]`` two a byte, ``[..., n/2]``: the first half in the low nibbles."""
+    half = q.shape[-1] // 2
+    return q[..., :half] | (q[..., half:] << 4)
+
+
+def _unpack_halves(codes, xp):
+    """The inverse of :func:`_pack_halves` (``xp``: numpy or jax.numpy)."""
+    return xp.concatenate([codes & 15, codes >> 4], axis=-1)
 
 
 def convert(w: np.ndarray, fmt: str) -> TransposedWeight | QuantizedWeight:
@@ -307,10 +315,10 @@ def legacy_leaves(w) -> tuple[np.ndarray, ...]:
     if isinstance(w, TransposedWeight):
         return (np.swapaxes(np.asarray(w.t), -1, -2),)
     codes = np.asarray(w.codes)
-    if w.format == "q4":  # back to one code a byte, [..., O, I']
-        codes = np.concatenate([codes & 15, codes >> 4], axis=-1)
+    if w.format == "q4":  # one code a byte, [..., O, I'], then packed within each block of 32
+        codes = _unpack_halves(codes, np)
     blocks = codes.reshape(*codes.shape[:-1], -1, BLOCK)
     if w.format == "q4":
-        blocks = blocks[..., : BLOCK // 2] | (blocks[..., BLOCK // 2 :] << 4)
+        blocks = _pack_halves(blocks)
     out = (np.moveaxis(blocks, -3, -1), np.swapaxes(np.asarray(w.scales), -1, -2))
     return out if w.mins is None else (*out, np.swapaxes(np.asarray(w.mins), -1, -2))
