@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from paths import MODELS, SMOLLM2, STORIES_BIN, STORIES_GGUF
+import jaxkv
 import jaxkv.io
 from jaxkv.errors import JaxkvError, ModelFileError
 from jaxkv.io import default_model_path, load_gguf, load_llama2c, load_model_files, registry
+from jaxkv.io.gguf_loader import LazyWeights
 
 HEADER = (64, 172, 5, 8, 4, 512, 512)  # stories260K: dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab, seq_len
 Q = gguf.GGMLQuantizationType
@@ -175,6 +177,25 @@ def test_stories260k_gguf_equals_bin():
     fields += ("rope_theta", "tie_embeddings")
     assert [getattr(config_gguf, f) for f in fields] == [getattr(config_bin, f) for f in fields]
     assert tokenizer.encode("Once upon a time") == [1, 403, 407, 261, 378]
+
+
+def test_lazy_gguf_weights_are_the_eager_ones_read_one_stack_at_a_time(tmp_path):
+    """load_model reads a GGUF lazily (LazyWeights): every weight equals the eagerly read one
+    (the matrices handed out as views of stacks held (out, in), as a model holds them), and a
+    NaN is still refused naming its tensor when that stack is read."""
+    _, eager, _ = load_gguf(STORIES_GGUF)
+    _, lazy, _ = load_gguf(STORIES_GGUF, lazy=True)
+    assert isinstance(lazy, LazyWeights) and list(lazy) == list(eager)
+    for key in eager:
+        np.testing.assert_array_equal(lazy[key], eager[key], err_msg=key)
+        assert lazy[key].dtype == np.float32 and eager[key].flags.c_contiguous
+    assert not lazy["wq"].flags.c_contiguous and np.swapaxes(lazy["wq"], -1, -2).flags.c_contiguous  # held [L, O, I]
+    path = tmp_path / "nan-scale.gguf"
+    write_tiny_gguf(path, {"attn_k": Q.Q4_1})
+    patch_tensor(path, "blk.1.attn_k.weight", 20, np.float16(np.nan).tobytes())
+    _, lazy, _ = load_gguf(path, lazy=True)  # nothing read yet
+    with pytest.raises(ModelFileError, match=r"^nan-scale.gguf: tensor 'blk.1.attn_k.weight' holds 32 non-finite"):
+        jaxkv.load_model(path)
 
 
 @pytest.mark.slow

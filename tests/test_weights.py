@@ -87,6 +87,21 @@ def test_q4_codes_match_the_reference_and_gguf_q4_1():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "q4"])
+def test_a_matrix_quantised_in_parts_of_rows_equals_the_reference(fmt):
+    """quantize works through a few thousand output rows at a time (its temporaries stay small
+    for an embedding table); a matrix of more rows than a part, stacked, gets the reference's codes."""
+    w = RNG.standard_normal((2, 40, 4100)).astype(np.float32)  # [L, I, O]: I padded to 64, O over one part
+    qw = quantize(w, fmt)
+    assert qw.codes.shape == (2, 4100, 64 if fmt == "int8" else 32) and qw.scales.shape == (2, 4100, 2)
+    padded = np.concatenate([w[1], np.zeros((24, 4100), np.float32)])
+    ref = (ref_int8 if fmt == "int8" else ref_q4)(padded)
+    codes = np.asarray(qw.codes[1]) if fmt == "int8" else np.concatenate([qw.codes[1] & 15, qw.codes[1] >> 4], axis=-1)
+    np.testing.assert_array_equal(codes.T, ref[0])
+    for held, expected in zip((qw.scales, qw.mins)[: len(ref) - 1], ref[1:]):
+        np.testing.assert_array_equal(np.asarray(held[1]).T, expected)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
 @pytest.mark.parametrize("tokens", [1, 9])  # decode (one fused loop on XLA CPU) and prefill (a matrix product)
 def test_dense_and_embedding_of_codes_equal_their_dequantised_matrix(fmt, tokens):
     w = RNG.standard_normal((48, 7)).astype(np.float32)  # 48 inputs: padded to 64 with zero weights

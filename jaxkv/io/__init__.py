@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -84,8 +85,8 @@ def _find_tokenizer(model_path: str, vocab_size: int) -> str:
 
 
 def load_model_files(
-    path: str | os.PathLike, tokenizer_path: str | os.PathLike | None = None
-) -> tuple[Any, dict[str, np.ndarray], Tokenizer]:
+    path: str | os.PathLike, tokenizer_path: str | os.PathLike | None = None, *, lazy: bool = False
+) -> tuple[Any, Mapping[str, np.ndarray], Tokenizer]:
     """Load a model file and its tokenizer, whatever the format.
 
     Args:
@@ -94,6 +95,8 @@ def load_model_files(
       tokenizer_path: any file :func:`load_tokenizer` reads. Overrides a
         GGUF's own vocabulary; for a llama2.c checkpoint, defaults to the first of
         ``tok{V}.model``, ``tok{V}.bin``, ``tokenizer.model``, ``tokenizer.bin`` beside it.
+      lazy: a GGUF's weights as a :class:`~jaxkv.io.gguf_loader.LazyWeights` (each read when
+        indexed; what :func:`load_model` uses); other formats return a dict either way.
     Returns:
       ``(config, weights, tokenizer)``: the config of the file's family (see
       :mod:`jaxkv.io.registry`), its weights and the tokenizer; see :func:`load_gguf`,
@@ -110,7 +113,7 @@ def load_model_files(
     elif not os.path.isfile(path):
         raise ModelFileError(f"no such model file: {path}")
     elif _is_gguf(path):
-        config, weights, tokenizer = load_gguf(path)
+        config, weights, tokenizer = load_gguf(path, lazy=lazy)
     elif path.lower().endswith(".safetensors"):
         raise ModelFileError(
             f"{path}: a safetensors file alone is not a model: pass the Hugging Face folder that holds it "
@@ -196,8 +199,9 @@ def load_model(path: str | os.PathLike | None = None, *, tokenizer: str | os.Pat
         ``fp32`` (default), ``bf16``/``fp16`` (2 bytes a weight, upcast inside each dot),
         ``int8`` (GGUF Q8_0-like blocks of 32) or ``q4`` (Q4_1-like), dequantised on the fly
         inside the compiled step; activations stay float32 (see :mod:`jaxkv.models.weights`).
-        The file is read as float32 first, then converted (a Q4_1 GGUF read as ``q4``
-        gets the same blocks back, rounded through float16 scales).
+        Each weight is read as float32, then converted (a Q4_1 GGUF read as ``q4`` gets the
+        same blocks back, rounded through float16 scales); a GGUF one weight at a time
+        (:class:`~jaxkv.io.gguf_loader.LazyWeights`), so the whole model is never held twice.
     Raises:
       ModelFileError: missing, truncated, corrupt or unsupported files, or an architecture
         no family registers (named).
@@ -206,6 +210,6 @@ def load_model(path: str | os.PathLike | None = None, *, tokenizer: str | os.Pat
     """
     check_weight_format(weights)
     path = os.fspath(path) if path is not None else default_model_path()
-    config, arrays, tok = load_model_files(path, tokenizer)
+    config, arrays, tok = load_model_files(path, tokenizer, lazy=True)
     model = registry.family_of(config).model.from_weights(config, arrays, dtype=dtype, weight_format=weights)
     return LoadedModel(config=config, model=model, tokenizer=tok, path=path)

@@ -8,12 +8,21 @@ and written into its slot of a stack with a leading L axis. Q/K rows the family 
 interleaved (llama.cpp's converter stores Llama's in the interleaved-pair RoPE layout) are
 permuted to rotate-half here. A tensor the family does not read is refused (it would
 change the outputs: biases, experts, RoPE frequency factors).
+
+:func:`load_model` reads the weights lazily (:class:`LazyWeights`): one stack at a time, when
+the model converts it to its held format, so the process never holds the whole model as
+float32 beside the held one (SmolLM2's F32 file: 540 MB); the file's pages a stack was read
+from are released from the process once it is built (``madvise``), as the kernel keeps them
+in its page cache anyway.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import mmap
 import os
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import gguf
@@ -41,6 +50,17 @@ class _Reader(gguf.GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._view = value.view(np.ndarray)
+        self._mmap = getattr(value, "_mmap", None)
+
+    def release(self, tensors) -> None:
+        """Drop the file pages holding ``tensors`` from this process's resident set (they stay
+        in the kernel's page cache; a later read maps them again). A no-op where the platform
+        has no ``madvise``."""
+        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        for tensor in tensors:
+            start = int(tensor.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, int(tensor.data_offset) + int(tensor.n_bytes) - start)
 
     def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
         """Every read of the file (header, metadata, tensor infos, tensor data) is checked to
@@ -57,6 +77,33 @@ class _PastTheEnd(ValueError):
     def __init__(self, end: int, size: int, *, tensor_data: bool):
         super().__init__(end, size)
         self.end, self.size, self.tensor_data = end, size, tensor_data
+
+
+class LazyWeights(Mapping):
+    """A model's weights, read from its file when indexed: ``weights[name]`` builds that
+    weight's float32 stack (and the stacks of the weights fused with it in the file, kept
+    until they are indexed), and keeps nothing after handing it out, so converting the
+    weights one at a time holds one stack in float32 at a time.
+
+    A ``Mapping[str, np.ndarray]``: ``dict(weights)`` reads them all.
+    """
+
+    def __init__(self, groups: list[tuple[tuple[str, ...], Callable[[], dict[str, np.ndarray]]]]):
+        self._groups = {key: build for keys, build in groups for key in keys}
+        self._pending: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key in self._pending:
+            return self._pending.pop(key)
+        built = self._groups[key]()
+        self._pending.update((k, v) for k, v in built.items() if k != key)
+        return built[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._groups)
+
+    def __len__(self) -> int:
+        return len(self._groups)
 
 
 def _open(path: str | os.PathLike, name: str) -> gguf.GGUFReader:
@@ -86,6 +133,22 @@ def _dequantize(name: str, tensor: gguf.ReaderTensor) -> np.ndarray:
     values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
     check_finite(f"{name}: tensor {tensor.name!r}", values, ModelFileError)
     return values
+
+
+_ROWS = 4096
+"""Rows of a tensor :func:`_dequantize_into` dequantises at a time (its temporaries stay a few MB)."""
+
+
+def _dequantize_into(name: str, tensor: gguf.ReaderTensor, out: np.ndarray) -> None:
+    """:func:`_dequantize` written into ``out`` (float32, the file's numpy shape), a few rows at
+    a time: a large tensor (an embedding table) never has a float32 temporary of its size."""
+    _check_type(name, tensor)
+    data = tensor.data
+    if data.ndim < 2:
+        out[...] = gguf.quants.dequantize(data, tensor.tensor_type)
+    for start in range(0, len(data) if data.ndim >= 2 else 0, _ROWS):
+        out[start : start + _ROWS] = gguf.quants.dequantize(data[start : start + _ROWS], tensor.tensor_type)
+    check_finite(f"{name}: tensor {tensor.name!r}", out, ModelFileError)
 
 
 def _check_type(name: str, tensor: gguf.ReaderTensor) -> None:
@@ -141,12 +204,14 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(gguf_metadata(path), name=os.path.basename(os.fspath(path)))
 
 
-def load_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, np.ndarray], Tokenizer]:
+def load_gguf(path: str | os.PathLike, *, lazy: bool = False) -> tuple[Any, Mapping[str, np.ndarray], Tokenizer]:
     """Read a GGUF checkpoint and its tokenizer.
 
     Args:
       path: a GGUF v2/v3 file of a registered architecture (``general.architecture ==
         "llama"``), tensors in F32, F16, BF16, Q8_0, Q4_0 or Q4_1.
+      lazy: return the weights as a :class:`LazyWeights` (each stack read when indexed, once;
+        a NaN is then reported when its tensor is read) instead of a dict of them all.
     Returns:
       ``(config, weights, tokenizer)``: the family's config from the metadata (for Llama a
       :class:`~jaxkv.models.llama.LlamaConfig` from the ``llama.*`` keys; ``name`` = the
@@ -176,18 +241,16 @@ def load_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, np.ndarray], Toke
         raise ModelFileError(f"{name}: {e}") from None
 
     weight_shapes = family.weight_shapes(config)
-    weights, jobs, read = {}, [], set(extra)
+    groups, read = [], set(extra)
     for template, keys in fmt.plan(weight_shapes):
         per_layer = "{i}" in template
         names = [template.format(i=i) for i in range(weight_shapes[keys[0]][0])] if per_layer else [template]
         parts = [weight_shapes[k][1:] if per_layer else weight_shapes[k] for k in keys]  # internal [in, out] of one tensor
         one = parts[0][:-1] + (sum(p[-1] for p in parts),)  # fused parts: concatenated on the output axis
-        stacks = [np.empty((len(names), *p), dtype=np.float32) for p in parts]
-        for key, stacked in zip(keys, stacks):
-            weights[key] = stacked if per_layer else stacked[0]
         matrix = keys[0] in fmt.linear
         n_heads = getattr(config, fmt.interleaved[keys[0]]) if keys[0] in fmt.interleaved else None
-        for i, tensor_name in enumerate(names):
+        group = []
+        for tensor_name in names:
             tensor = tensors.get(tensor_name)
             if tensor is None:
                 raise ModelFileError(f"{name}: tensor {tensor_name!r} is missing")
@@ -195,26 +258,46 @@ def load_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, np.ndarray], Toke
             expected = one[::-1] if matrix else one  # the file's numpy order: (out, in)
             if shapes[tensor_name] != expected:
                 raise ModelFileError(f"{name}: tensor {tensor_name!r} has shape {shapes[tensor_name]}; expected {expected} for this config")
-            jobs.append((stacks, i, tensor, matrix, n_heads))
+            group.append(tensor)
             read.add(tensor_name)
+        build = functools.partial(_build_stacks, reader, name, keys, parts, group, per_layer, matrix, n_heads)
+        groups.append((tuple(keys), build))
     unread = sorted(set(tensors) - read)
     if unread:
         raise ModelFileError(
             f"{name}: tensor {unread[0]!r} is not part of a {family.name} model as jaxkv computes it (it would change "
             f"the outputs): not supported"
         )
+    weights: Mapping[str, np.ndarray] = LazyWeights(groups)
+    if fmt.transform is not None:
+        weights = fmt.transform(config, dict(weights))
+    if not lazy:
+        weights = {key: np.ascontiguousarray(w) for key, w in weights.items()}
+    return config, weights, Tokenizer.from_gguf_metadata(metadata, name=name)
 
-    def fill(job):
-        stacks, i, tensor, matrix, n_heads = job
-        w = _dequantize(name, tensor)
+
+def _build_stacks(reader: _Reader, name: str, keys, parts, tensors, per_layer: bool, matrix: bool, n_heads) -> dict:
+    """The float32 stacks ``{key: [L, *part]}`` (``part`` alone when not per layer) of one
+    planned group of tensors: each dequantised (a few threads at a time), Q/K rows permuted to
+    rotate-half if ``n_heads``, and split into the group's fused ``parts``; then the file's
+    pages released. A ``matrix`` is stored as the file holds it, ``(out, in)`` (what a model
+    holds, :class:`jaxkv.models.weights.TransposedWeight`), and handed out as its transposed
+    view in the ``x @ W`` layout, so holding it copies nothing more."""
+    held = [(*p[:-2], p[-1], p[-2]) if matrix else p for p in parts]
+    stacks = [np.empty((len(tensors), *p), dtype=np.float32) for p in held]
+    views = [np.swapaxes(s, -1, -2) if matrix else s for s in stacks]  # [L, ..., in, out]
+
+    def fill(i):
+        if len(stacks) == 1 and not n_heads:  # the file's rows straight into the stack, a few at a time
+            return _dequantize_into(name, tensors[i], stacks[0][i])
+        w = _dequantize(name, tensors[i])
         w = w.T if matrix else w
         if n_heads:
             w = interleaved_to_rotate_half(w, n_heads, w.shape[-1] // n_heads)
-        for stacked, piece in zip(stacks, np.split(w, np.cumsum([s.shape[-1] for s in stacks])[:-1], axis=-1)):
-            stacked[i] = piece
+        for view, piece in zip(views, np.split(w, np.cumsum([v.shape[-1] for v in views])[:-1], axis=-1)):
+            view[i] = piece
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        list(pool.map(fill, jobs))  # numpy releases the GIL in the heavy parts
-    if fmt.transform is not None:
-        weights = fmt.transform(config, weights)
-    return config, weights, Tokenizer.from_gguf_metadata(metadata, name=name)
+        list(pool.map(fill, range(len(tensors))))  # numpy releases the GIL in the heavy parts
+    reader.release(tensors)
+    return {key: view if per_layer else view[0] for key, view in zip(keys, views)}

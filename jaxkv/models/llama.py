@@ -447,27 +447,29 @@ class Llama(nnx.Module):
             raise JaxkvError(f"{config.name}: weights={weight_format!r} computes in float32 between layers: "
                              f"expected dtype float32, got {jnp.dtype(dtype).name}")
         shapes = weight_shapes(config)
-        for name, shape in shapes.items():
-            if name not in weights:
-                raise JaxkvError(f"{config.name}: weight {name!r} is missing")
-            if tuple(weights[name].shape) != shape:
-                raise JaxkvError(f"{config.name}: weight {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
+        missing = [name for name in shapes if name not in weights]
+        if missing:
+            raise JaxkvError(f"{config.name}: weight {missing[0]!r} is missing")
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype))
-        for name in shapes:
+        # the largest first: the host copy a conversion holds is then the largest while the fewest
+        # weights are placed (peak memory: the placed weights plus one weight on the host, not two)
+        for name, shape in sorted(shapes.items(), key=lambda item: -int(np.prod(item[1]))):
+            w = weights[name]  # read here, once (a lazy mapping builds it now)
+            if tuple(w.shape) != shape:
+                raise JaxkvError(f"{config.name}: weight {name!r} has shape {tuple(w.shape)}, expected {shape}")
             fmt = HEAD_FORMATS.get(weight_format, weight_format) if name in ("embed", "lm_head") else weight_format
             held_dtype = dtype if fmt == "fp32" else FLOAT_FORMATS.get(fmt)  # None: an integer format
-            if isinstance(weights[name], HELD_FORMS):  # a model's own state (nnx.to_pure_dict), kept as held
-                value = weights[name]
+            if isinstance(w, HELD_FORMS):  # a model's own state (nnx.to_pure_dict), kept as held
+                value = w
             elif name not in MATRICES:
-                value = jnp.asarray(weights[name], dtype)
+                value = jnp.asarray(w, dtype)
             elif name == "embed" and held_dtype is not None:  # a float table [V, D] is its own head held transposed
-                value = jnp.asarray(weights[name], held_dtype)
+                value = jax.device_put(np.asarray(w, held_dtype))
             elif name == "embed":  # quantised as the tied head [D, V]
-                value = convert(np.asarray(weights[name]).T, fmt)
-            elif held_dtype is not None:
-                value = as_held(jnp.asarray(weights[name], held_dtype))
+                value = convert(np.asarray(w).T, fmt)
             else:
-                value = convert(weights[name], fmt)
+                value = convert(w, fmt if held_dtype is None else held_dtype)
+            del w
             setattr(model, name, nnx.Param(value))
         return model
 

@@ -184,23 +184,34 @@ def quantize(w: np.ndarray, fmt: str) -> QuantizedWeight:
     if np.ndim(w) < 2:
         raise JaxkvError(f"quantize: a weight of shape {np.shape(w)}: expected a matrix [..., I, O]")
     rows = np.swapaxes(np.asarray(w, np.float32), -1, -2)  # [..., O, I]: a view when w is float32
-    n_in = rows.shape[-1]
-    pad = -n_in % BLOCK
+    lead, n_in = rows.shape[:-1], rows.shape[-1]
+    flat = rows.reshape(-1, n_in)
+    parts = [_quantize_rows(flat[i : i + _ROWS], fmt) for i in range(0, len(flat), _ROWS)]
+    codes, scales, *mins = (np.concatenate(leaves).reshape(*lead, -1) for leaves in zip(*parts))
+    return QuantizedWeight(codes=codes, scales=scales, mins=mins[0] if mins else None, n_in=n_in, format=fmt)
+
+
+_ROWS = 4096
+"""Rows :func:`quantize` quantises at a time: its float32 temporaries stay a few MB whatever the matrix."""
+
+
+def _quantize_rows(rows: np.ndarray, fmt: str) -> tuple[np.ndarray, ...]:
+    """``(codes, scales)`` (int8) or ``(codes, scales, mins)`` (q4) of float32 ``rows [O, I]``."""
+    pad = -rows.shape[-1] % BLOCK
     if pad:
         rows = np.concatenate([rows, np.zeros((*rows.shape[:-1], pad), np.float32)], axis=-1)
-    blocks = rows.reshape(*rows.shape[:-1], (n_in + pad) // BLOCK, BLOCK)
+    blocks = rows.reshape(*rows.shape[:-1], rows.shape[-1] // BLOCK, BLOCK)
     if fmt == "int8":
         scale = np.abs(blocks).max(axis=-1) / 127
         scale = np.where(scale == 0, 1, scale).astype(np.float16)
         codes = np.clip(np.round(blocks / scale.astype(np.float32)[..., None]), -127, 127).astype(np.int8)
-        return QuantizedWeight(codes=codes.reshape(rows.shape), scales=scale, mins=None, n_in=n_in, format=fmt)
+        return codes.reshape(rows.shape), scale
     low, high = blocks.min(axis=-1), blocks.max(axis=-1)
     scale = (high - low) / 15
     scale = np.where(scale == 0, 1, scale).astype(np.float16)
     low = low.astype(np.float16)
     q = np.clip(np.round((blocks - low.astype(np.float32)[..., None]) / scale.astype(np.float32)[..., None]), 0, 15)
-    codes = _pack_halves(q.astype(np.uint8).reshape(rows.shape))
-    return QuantizedWeight(codes=codes, scales=scale, mins=low, n_in=n_in, format=fmt)
+    return _pack_halves(q.astype(np.uint8).reshape(rows.shape)), scale, low
 
 
 def _pack_halves(q: np.ndarray) -> np.ndarray:
@@ -214,17 +225,25 @@ def _unpack_halves(codes, xp):
     return xp.concatenate([codes & 15, codes >> 4], axis=-1)
 
 
-def convert(w: np.ndarray, fmt: str) -> TransposedWeight | QuantizedWeight:
+def convert(w: np.ndarray, fmt) -> TransposedWeight | QuantizedWeight:
     """A float matrix ``w[..., I, O]`` held in weight format ``fmt`` (jax leaves): a
     :class:`TransposedWeight` of :data:`FLOAT_FORMATS` dtype, or a :class:`QuantizedWeight`.
 
+    Converted on the host and placed on the device once (``jax.device_put``), so that
+    converting a model's weights one by one holds at most one weight twice.
+
+    Args:
+      w: float array ``[..., I, O]`` (numpy, or anything ``np.asarray`` reads).
+      fmt: one of :data:`WEIGHT_FORMATS`, or a float dtype to hold it in.
     Raises:
-      JaxkvError: ``fmt`` not in :data:`WEIGHT_FORMATS`.
+      JaxkvError: ``fmt`` neither a weight format nor a float dtype.
     """
-    check_weight_format(fmt)
-    if fmt in FLOAT_FORMATS:
-        return as_held(jnp.asarray(w, FLOAT_FORMATS[fmt]))
-    return jax.tree.map(jnp.asarray, quantize(w, fmt))
+    if isinstance(fmt, str) and check_weight_format(fmt) not in FLOAT_FORMATS:
+        return jax.tree.map(jax.device_put, quantize(w, fmt))
+    dtype = FLOAT_FORMATS[fmt] if isinstance(fmt, str) else fmt
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise JaxkvError(f"convert: {fmt!r} is neither a weight format ({', '.join(WEIGHT_FORMATS)}) nor a float dtype")
+    return TransposedWeight(t=jax.device_put(np.ascontiguousarray(np.swapaxes(np.asarray(w, dtype), -1, -2))))
 
 
 def dense(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
