@@ -16,6 +16,7 @@ from flax import nnx
 from conftest import decode_loop_hlo
 from reference import RefDecoder, ref_config, ref_kwargs
 from jaxkv import CacheSpec, CacheFullError, JaxkvError, KVCache, Sampler, forward, prefill, sample
+from jaxkv.cache.attention import RING_BLOCK
 from jaxkv.testing import materialised_buffers, numpy_weights, tiny_loaded, tiny_model
 
 PAIRS = [(0, 8), (4, 8), (4, 13), (1, 1), (2, 64)]
@@ -93,6 +94,20 @@ def test_chunked_prefill_equals_token_by_token(sink, window, chunk, positions, c
     np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(cache_c), jax.tree.leaves(cache_t)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [CacheSpec(max_len=600), CacheSpec(sink=4, window=300, positions="cache")],
+                         ids=["full-600", "sink4-window300-cache"])
+def test_prefill_reads_a_ring_longer_than_a_block_blockwise(spec, chunked):
+    """A ring of more slots than RING_BLOCK is read by a prefill chunk block by block, each with
+    its own softmax statistics, blocks that no query sees skipped (jaxkv.cache.attention): every
+    query's logits still equal token-by-token decoding and the NumPy reference."""
+    assert max(spec.max_len or 0, spec.window or 0) > RING_BLOCK
+    tokens = tokens_for(560, seed=2)
+    got, _ = chunked(spec, tokens, 128)
+    expected, _ = decode(spec, tokens)
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(got, reference_logits(spec, tokens)[0], atol=1e-4, rtol=0)
 
 
 def expected_slots(spec, total):

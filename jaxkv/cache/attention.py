@@ -9,8 +9,10 @@ exactly its own retained set and chunked prefill equals token-by-token decode.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -21,6 +23,12 @@ from jaxkv.cache.rope import Rope, apply_rope, as_rope, rope_blocks
 from jaxkv.cache.spec import CacheSpec
 from jaxkv.cache.storage import Segment
 from jaxkv.errors import JaxkvError
+
+RING_BLOCK = 256
+"""Slots of the ring a prefill chunk (T > 1) reads as one segment: a block that no query of the
+chunk sees (empty slots of a cache being filled, a full cache's slots past the prompt) is
+skipped under ``lax.cond`` (:func:`_prefill_softmax`). A decode step (T = 1) reads the ring as
+one segment."""
 
 
 def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None, theta: float | None = None,
@@ -99,7 +107,12 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
         for seg in storage.segments(layer.store, step.store_pos, dtype):
             segments.append((seg._replace(keys=rotate_keys(seg.keys, seg.pos)), "store"))
     ring_k, ring_v = storage.read(layer.ring_k), storage.read(layer.ring_v)
-    segments.append((Segment(rotate_keys([ring_k.astype(dtype)], step.ring_pos), [ring_v], step.ring_pos), "ring"))
+    size = ring_k.shape[2]
+    block = size if t == 1 else RING_BLOCK  # a prefill chunk reads the ring in blocks, skipping those it cannot see
+    for a in range(0, size, block):
+        pos = step.ring_pos[:, a : a + block]
+        keys = rotate_keys([ring_k[:, :, a : a + block].astype(dtype)], pos)
+        segments.append((Segment(keys, [ring_v[:, :, a : a + block]], pos), "ring"))
     segments.append((Segment(rotate_keys([k_store], step.q_pos), [v], step.q_pos), "chunk"))
 
     group = n_heads // n_kv
@@ -113,8 +126,8 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
     q_main = jnp.transpose(q_main, (0, 2, 3, 1, 4)).reshape(b, n_kv, group * t, h)
     q_sink = jnp.transpose(q_sink, (0, 2, 3, 1, 4)).reshape(b, n_kv, group * t, h) if policy.rope_at_rank else q_main
     dims = (((3,), (3,)), ((0, 1), (0, 1)))
-    scores = []
-    for seg, kind in segments:
+
+    def segment_scores(seg, kind):  # float32[B, K, G, T, S], -inf where the query does not see the slot
         qq = q_sink if kind in ("sink", "keep") else q_main
         if seg.key_rotation is not None:  # keys stored as k @ M: (q @ M) . (k @ M) = q . k
             qq = rotation.rotate(qq, seg.key_rotation).astype(dtype)
@@ -131,13 +144,32 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
         s = jnp.swapaxes(s, 2, 3).reshape(b, n_kv, group, t, -1) * scale
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
+        return jnp.where(segment_mask(seg, kind)[:, None, None], s, -jnp.inf)
+
+    def segment_mask(seg, kind):  # bool[B, T, S]
         visible = policy.kept_visible if kind == "keep" else policy.visible
-        mask = visible(step.q_pos[:, :, None], seg.pos[:, None, :])  # [B, T, S]
-        scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
-    s = jnp.concatenate(scores, axis=-1)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # padding queries see nothing: avoid inf - inf
-    p = jnp.exp(s - m)
+        return visible(step.q_pos[:, :, None], seg.pos[:, None, :])
+
+    def segment_output(ps, seg):  # probabilities [B, K, G, T, S] @ the segment's values: float32[B, K, G, T, H]
+        parts = [
+            jnp.einsum("bkgts,bksh->bkgth", ps.astype(dtype), block.astype(dtype), preferred_element_type=jnp.float32)
+            for block in seg.values
+        ]
+        part = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+        if seg.value_rotation is not None:  # values stored as v @ M: (p @ v M) @ M.T = p @ v
+            part = rotation.rotate(part, seg.value_rotation.T)
+        return part
+
+    def finite(m):  # a row that sees nothing has max -inf: subtract 0 there (exp(-inf) = 0, no inf - inf)
+        return jnp.where(jnp.isfinite(m), m, 0.0)
+
+    if t > 1 and not mass:
+        out = _prefill_softmax(segments, segment_scores, segment_mask, segment_output, finite)
+        out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n_heads, h).astype(dtype)
+        return out, k_store, v
+
+    s = jnp.concatenate([segment_scores(seg, kind) for seg, kind in segments], axis=-1)
+    p = jnp.exp(s - finite(jnp.max(s, axis=-1, keepdims=True)))
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
 
@@ -146,15 +178,8 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
     for seg, kind in segments:
         size = seg.pos.shape[1]
         if mass and retention is not None and kind != "sink":
-            received[kind] = retention.reduce_queries(p[..., offset : offset + size], step.q_pos)
-        ps = p[..., offset : offset + size].astype(dtype)
-        parts = [
-            jnp.einsum("bkgts,bksh->bkgth", ps, block.astype(dtype), preferred_element_type=jnp.float32)
-            for block in seg.values
-        ]
-        part = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-        if seg.value_rotation is not None:  # values stored as v @ M: (p @ v M) @ M.T = p @ v
-            part = rotation.rotate(part, seg.value_rotation.T)
+            received.setdefault(kind, []).append(retention.reduce_queries(p[..., offset : offset + size], step.q_pos))
+        part = segment_output(p[..., offset : offset + size], seg)
         outs.append(jnp.transpose(part, (0, 3, 1, 2, 4)).reshape(b, t, n_heads * h))  # the output's layout
         offset += size
     # The segments' sum, as a product with ones: XLA CPU then writes the attention output as one
@@ -165,11 +190,44 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
     out = out.reshape(b, t, n_heads, h).astype(dtype)
     if not mass:
         return out, k_store, v
-    zeros = lambda n: jnp.zeros((b, n), jnp.float32)  # noqa: E731
+
+    def got(kind, n):  # the segment's blocks joined, or zeros
+        return jnp.concatenate(received[kind], axis=-1) if kind in received else jnp.zeros((b, n), jnp.float32)
+
     return out, k_store, v, Mass(
-        ring=received.get("ring", zeros(step.ring_pos.shape[1])),
-        keep=received.get("keep", zeros(0 if step.keep_pos is None else step.keep_pos.shape[1])),
-        chunk=received.get("chunk", zeros(t)),
-        store=received.get("store", zeros(0 if step.store_pos is None else step.store_pos.shape[1])),
+        ring=got("ring", step.ring_pos.shape[1]),
+        keep=got("keep", 0 if step.keep_pos is None else step.keep_pos.shape[1]),
+        chunk=got("chunk", t),
+        store=got("store", 0 if step.store_pos is None else step.store_pos.shape[1]),
     )
 
+
+def _prefill_softmax(segments, segment_scores, segment_mask, segment_output, finite):
+    """A prefill chunk's attention output ``float32[B, K, G, T, H]``, one segment at a time:
+    each segment's softmax over its own slots (its row maxima ``m_i``, sums ``l_i`` and
+    unnormalised output ``o_i``), combined as ``sum_i exp(m_i - m) o_i / sum_i exp(m_i - m) l_i``
+    with ``m = max_i m_i`` (the blockwise softmax of FlashAttention, Dao et al. 2022, §3.1).
+    A block of the ring that no query of the chunk sees (empty slots of a cache being filled)
+    is skipped under ``lax.cond``: no scores, no exponentials, no product with its values."""
+    stats = []
+    for seg, kind in segments:
+
+        def partial(seg=seg, kind=kind):
+            s = segment_scores(seg, kind)
+            m = jnp.max(s, axis=-1, keepdims=True)
+            p = jnp.exp(s - finite(m))
+            return m, jnp.sum(p, axis=-1, keepdims=True), segment_output(p, seg)
+
+        if kind == "ring":
+            shapes = jax.eval_shape(partial)
+            unseen = lambda shapes=shapes: (  # noqa: E731
+                jnp.full(shapes[0].shape, -jnp.inf, jnp.float32), jnp.zeros(shapes[1].shape, jnp.float32),
+                jnp.zeros(shapes[2].shape, jnp.float32))
+            stats.append(lax.cond(jnp.any(segment_mask(seg, kind)), partial, unseen))
+        else:
+            stats.append(partial())
+    m = finite(functools.reduce(jnp.maximum, [m_i for m_i, _, _ in stats]))
+    weights = [jnp.exp(m_i - m) for m_i, _, _ in stats]  # 0 for a segment the row does not see
+    denom = sum(w * l_i for w, (_, l_i, _) in zip(weights, stats))
+    out = sum(w * o_i for w, (_, _, o_i) in zip(weights, stats))
+    return out / jnp.where(denom > 0, denom, 1.0)
