@@ -1,8 +1,9 @@
 """Attention of a chunk of queries over a `KVCache` layer plus the chunk itself.
 
 The cache is read as segments (sinks, window or KIVI residual, KIVI quantised ring, the
-chunk's own keys). Each segment's scores are computed separately and one softmax runs
-over all of them, so the cache is never concatenated (no per-step copy of it). Masks
+chunk's own keys). Each segment's scores are computed separately, so the cache is never
+concatenated (no per-step copy of it): a decode step takes one softmax over all of them, a
+prefill chunk one per segment (the ring in blocks, those no query sees skipped), combined. Masks
 come from per-slot absolute positions (DESIGN §2), so every query of a chunk attends to
 exactly its own retained set and chunked prefill equals token-by-token decode.
 """
@@ -121,8 +122,8 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
     q_sink = apply_rope(qg, step.q_rot_sink[:, :, None, None], rope=rope) if policy.rope_at_rank else q_main
     scale = 1.0 / jnp.sqrt(jnp.float32(h)) if scale is None else jnp.float32(scale)
 
-    # queries as [B, K, G*T, H]; keys are the dot's first operand, contracted over their
-    # minor axis H: the layout the cache stores them in.
+    # queries as [B, K, G*T, H]; queries and keys contracted over their minor axis H, the layout
+    # the cache stores keys in (a decode step's dot takes the keys first, a prefill chunk's the queries).
     q_main = jnp.transpose(q_main, (0, 2, 3, 1, 4)).reshape(b, n_kv, group * t, h)
     q_sink = jnp.transpose(q_sink, (0, 2, 3, 1, 4)).reshape(b, n_kv, group * t, h) if policy.rope_at_rank else q_main
     dims = (((3,), (3,)), ((0, 1), (0, 1)))
@@ -137,11 +138,20 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
             # from the blocks joined beats one per block (int2: four)
             keys = [jnp.concatenate([block.astype(dtype) for block in keys], axis=-1)]
         width = keys[0].shape[-1]
-        s = sum(
-            lax.dot_general(block.astype(dtype), qq[..., j * width : (j + 1) * width], dims, preferred_element_type=jnp.float32)
-            for j, block in enumerate(keys)
-        )  # [B, K, S, G*T]
-        s = jnp.swapaxes(s, 2, 3).reshape(b, n_kv, group, t, -1) * scale
+        if t == 1:  # the keys first: [B, K, S, G]
+            s = sum(
+                lax.dot_general(block.astype(dtype), qq[..., j * width : (j + 1) * width], dims,
+                                preferred_element_type=jnp.float32)
+                for j, block in enumerate(keys)
+            )
+            s = jnp.swapaxes(s, 2, 3)
+        else:  # a prefill chunk: the queries first, [B, K, G*T, S] in the layout the softmax reads
+            s = sum(
+                lax.dot_general(qq[..., j * width : (j + 1) * width], block.astype(dtype), dims,
+                                preferred_element_type=jnp.float32)
+                for j, block in enumerate(keys)
+            )
+        s = s.reshape(b, n_kv, group, t, -1) * scale
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         return jnp.where(segment_mask(seg, kind)[:, None, None], s, -jnp.inf)
