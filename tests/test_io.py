@@ -190,6 +190,14 @@ def test_lazy_gguf_weights_are_the_eager_ones_read_one_stack_at_a_time(tmp_path)
         np.testing.assert_array_equal(lazy[key], eager[key], err_msg=key)
         assert lazy[key].dtype == np.float32 and eager[key].flags.c_contiguous
     assert not lazy["wq"].flags.c_contiguous and np.swapaxes(lazy["wq"], -1, -2).flags.c_contiguous  # held [L, O, I]
+
+    def unread():
+        raise AssertionError("a membership test read the weight")
+
+    fused = LazyWeights([(("wk", "wv"), lambda: {"wk": np.zeros(2), "wv": np.ones(2)}), (("wo",), unread)])
+    assert "wo" in fused and "bo" not in fused and len(fused) == 3  # nothing read
+    np.testing.assert_array_equal(fused["wv"], [1, 1])  # reads the group once; wk is kept until asked for
+    np.testing.assert_array_equal(fused["wk"], [0, 0])
     path = tmp_path / "nan-scale.gguf"
     write_tiny_gguf(path, {"attn_k": Q.Q4_1})
     patch_tensor(path, "blk.1.attn_k.weight", 20, np.float16(np.nan).tobytes())

@@ -229,10 +229,11 @@ def _prefill_softmax(segments, segment_scores, segment_mask, segment_output, fin
             return m, jnp.sum(p, axis=-1, keepdims=True), segment_output(p, seg)
 
         if kind == "ring":
-            shapes = jax.eval_shape(partial)
-            unseen = lambda shapes=shapes: (  # noqa: E731
-                jnp.full(shapes[0].shape, -jnp.inf, jnp.float32), jnp.zeros(shapes[1].shape, jnp.float32),
-                jnp.zeros(shapes[2].shape, jnp.float32))
+            m_shape, l_shape, o_shape = (x.shape for x in jax.eval_shape(partial))
+
+            def unseen(m_shape=m_shape, l_shape=l_shape, o_shape=o_shape):  # what a block no row sees adds: nothing
+                return jnp.full(m_shape, -jnp.inf), jnp.zeros(l_shape), jnp.zeros(o_shape)
+
             stats.append(lax.cond(jnp.any(segment_mask(seg, kind)), partial, unseen))
         else:
             stats.append(partial())

@@ -99,6 +99,9 @@ class LazyWeights(Mapping):
         self._pending.update((k, v) for k, v in built.items() if k != key)
         return built[key]
 
+    def __contains__(self, key) -> bool:  # without building it (Mapping's default indexes)
+        return key in self._groups
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._groups)
 
