@@ -263,7 +263,8 @@ def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]]
     last, run = None, None
     for c in plan_chunks(spec, lengths, counts, t):
         tokens, n = jnp.asarray(c.take(prompts, t)), jnp.asarray(c.n)
-        run = run or _compile_prefill(graphdef, (state, tokens, n, cache))[0]
+        if run is None:  # one signature for every chunk
+            run, _ = _compile_prefill(graphdef, (state, tokens, n, cache))
         logits, cache = run(state, tokens, n, cache)
         finished = jnp.asarray((c.n > 0) & (c.remaining == c.n))
         last = logits[:, 0] if last is None else jnp.where(finished[:, None], logits[:, 0], last)

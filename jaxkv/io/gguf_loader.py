@@ -149,8 +149,9 @@ def _dequantize_into(name: str, tensor: gguf.ReaderTensor, out: np.ndarray) -> N
     data = tensor.data
     if data.ndim < 2:
         out[...] = gguf.quants.dequantize(data, tensor.tensor_type)
-    for start in range(0, len(data) if data.ndim >= 2 else 0, _ROWS):
-        out[start : start + _ROWS] = gguf.quants.dequantize(data[start : start + _ROWS], tensor.tensor_type)
+    else:
+        for start in range(0, len(data), _ROWS):
+            out[start : start + _ROWS] = gguf.quants.dequantize(data[start : start + _ROWS], tensor.tensor_type)
     check_finite(f"{name}: tensor {tensor.name!r}", out, ModelFileError)
 
 
