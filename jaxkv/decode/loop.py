@@ -323,13 +323,7 @@ def _compile_prefill(graphdef, args):
     seconds it took, kept per signature as the decode loop's are (:func:`_compile`): compiling
     ahead of the first chunk runs nothing (warming by calling the jitted function ran a whole
     chunk of the model: 0.5 s of a SmolLM2 first token)."""
-    t0 = time.perf_counter()
-    key = ("prefill", *_signature(args, graphdef))
-    compiled = _EXECUTABLES.pop(key, None)
-    if compiled is None:
-        with count_compiles("prefill"):
-            compiled = prefill_chunk.lower(graphdef, *args).compile()
-    return _keep(key, compiled), time.perf_counter() - t0
+    return _kept("prefill", _signature(args, graphdef), lambda: prefill_chunk.lower(graphdef, *args))
 
 
 # ---- the decode loop -----------------------------------------------------------------------------
@@ -453,21 +447,24 @@ _EXECUTABLES_KEPT = 16  # decode loops and prefill chunks
 def _compile(graphdef, args, sampler, block, eos_id):
     """The compiled decode loop and the seconds it took; kept per signature (``lower`` alone
     re-traces the whole model, ~0.3 s for SmolLM2, on every call)."""
+    return _kept("decode", _signature(args, graphdef, sampler, block, eos_id),
+                 lambda: decode_block.lower(graphdef, *args, sampler=sampler, block=block, eos_id=eos_id))
+
+
+def _kept(program: str, signature: tuple, lower):
+    """``(compiled, seconds)``: the executable of ``program`` for ``signature``, compiled from
+    ``lower()`` unless kept from an earlier call; kept as the most recently used (the last
+    :data:`_EXECUTABLES_KEPT`, decode loops and prefill chunks together)."""
     t0 = time.perf_counter()
-    key = _signature(args, graphdef, sampler, block, eos_id)
+    key = (program, *signature)
     compiled = _EXECUTABLES.pop(key, None)
     if compiled is None:
-        with count_compiles("decode"):
-            compiled = decode_block.lower(graphdef, *args, sampler=sampler, block=block, eos_id=eos_id).compile()
-    return _keep(key, compiled), time.perf_counter() - t0
-
-
-def _keep(key, compiled):
-    """Keep ``compiled`` as the most recently used executable (the last :data:`_EXECUTABLES_KEPT`)."""
+        with count_compiles(program):
+            compiled = lower().compile()
     _EXECUTABLES[key] = compiled
     while len(_EXECUTABLES) > _EXECUTABLES_KEPT:
         _EXECUTABLES.pop(next(iter(_EXECUTABLES)))
-    return compiled
+    return compiled, time.perf_counter() - t0
 
 
 @dataclasses.dataclass(frozen=True)

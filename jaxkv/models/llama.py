@@ -469,7 +469,6 @@ class Llama(nnx.Module):
                 value = convert(np.asarray(w).T, fmt)
             else:
                 value = convert(w, fmt if held_dtype is None else held_dtype)
-            del w
             setattr(model, name, nnx.Param(value))
         return model
 
