@@ -367,7 +367,8 @@ def test_the_batch_docs_python_runs_as_written(tmp_path):
 def test_the_command_caches_compiled_programs_and_a_second_run_loads_them(tmp_path):
     """``python -m jaxkv.cli`` turns on JAX's persistent compilation cache in
     ``$JAXKV_COMPILE_CACHE`` (jax >= 0.6; off on 0.5.0, whose reloaded CPU executables decoded
-    garbage): the first run writes entries, the second compiles nothing new and prints the same text."""
+    garbage) and the store of decode loops and prefill chunks inside it: the first run writes
+    entries, the second compiles nothing new and prints the same text."""
     cache = tmp_path / "xla"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXKV_COMPILE_CACHE": str(cache)}
     argv = [sys.executable, "-m", "jaxkv.cli", "sample", str(STORIES_BIN), "--tokenizer", str(TOK512_MODEL),
@@ -377,9 +378,11 @@ def test_the_command_caches_compiled_programs_and_a_second_run_loads_them(tmp_pa
     if jax.__version_info__ < (0, 6):
         assert not cache.exists()
         return
-    entries = sorted(p.name for p in cache.iterdir())
+    entries = sorted(p.relative_to(cache) for p in cache.rglob("*"))
     assert entries  # the prefill and decode programs
+    stored = sorted(p.name.split("-")[0] for p in (cache / "jaxkv-executables").iterdir())
+    assert stored == ["decode", "prefill"]  # those two also kept by signature (loaded without tracing)
     second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     assert second.stdout == first.stdout and "Lily" in first.stdout
-    assert sorted(p.name for p in cache.iterdir()) == entries  # loaded, none compiled anew
+    assert sorted(p.relative_to(cache) for p in cache.rglob("*")) == entries  # loaded, none compiled anew

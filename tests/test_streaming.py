@@ -16,6 +16,7 @@ from flax import nnx
 from conftest import decode_loop_hlo
 from reference import RefDecoder, ref_config, ref_kwargs
 from jaxkv import CacheSpec, CacheFullError, JaxkvError, KVCache, Sampler, forward, prefill, sample
+from jaxkv.io import LoadedModel
 from jaxkv.cache.attention import RING_BLOCK
 from jaxkv.testing import materialised_buffers, numpy_weights, tiny_loaded, tiny_model
 
@@ -244,6 +245,46 @@ def test_sample_compiles_once_per_spec_and_batch(stories):
     assert compile_counts()["decode"] == decode_before
     assert compile_counts()["prefill"] == prefill_before
 
+
+
+@pytest.mark.skipif(jax.__version_info__ < (0, 6), reason="no store below jax 0.6 (jaxkv.cli.use_compile_cache)")
+def test_a_stored_decode_loop_and_prefill_chunk_are_loaded_instead_of_compiled(tmp_path, monkeypatch):
+    """With an executable store (what ``jaxkv`` turns on beside JAX's compilation cache), a
+    process that has not compiled a signature loads its decode loop and prefill chunk from the
+    store: nothing compiles, the tokens are the compiled ones. Another cache spec is another
+    file; a damaged file is compiled again (with a warning) and replaced; a user's own Flax
+    module is not stored (its code is not in the key)."""
+    from jaxkv import generate
+    from jaxkv.decode import compile_counts, loop
+
+    monkeypatch.setattr(loop, "EXECUTABLE_STORE", str(tmp_path))
+    monkeypatch.setattr(loop, "_EXECUTABLES", {})  # as a fresh process
+    model = tiny_loaded(tokenizer=False)
+    kwargs = dict(max_new_tokens=12, cache=CacheSpec(sink=2, window=8), block=4)
+    compiled = generate(model, [tokens_for(5)], **kwargs).token_ids
+    stored = sorted(tmp_path.iterdir())
+    assert [p.name.split("-")[0] for p in stored] == ["decode", "prefill"]
+
+    loop._EXECUTABLES.clear()
+    before = compile_counts()
+    assert generate(model, [tokens_for(5)], **kwargs).token_ids == compiled
+    assert compile_counts() == before  # loaded, not compiled
+
+    generate(model, [tokens_for(5)], **{**kwargs, "cache": CacheSpec(sink=2, window=12)})
+    assert len(list(tmp_path.iterdir())) == 4
+
+    decode_file = stored[0]
+    decode_file.write_bytes(b"not an executable")
+    loop._EXECUTABLES.clear()
+    with pytest.warns(UserWarning, match="compiling instead of loading"):
+        assert generate(model, [tokens_for(5)], **kwargs).token_ids == compiled
+    assert compile_counts()["decode"] == before["decode"] + 1
+    assert decode_file.read_bytes() != b"not an executable"
+
+    class Own(nnx.Module):  # a user's model class: its code could change under the same key
+        pass
+
+    assert loop._storable(model) and not loop._storable(LoadedModel(config=model.config, model=Own(), tokenizer=None))
 
 @pytest.mark.parametrize("kv_quantize", ["fp32", "fp16", "bf16"])
 def test_decode_loop_writes_the_window_in_place_and_never_copies_it(kv_quantize):

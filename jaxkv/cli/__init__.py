@@ -60,23 +60,29 @@ def use_compile_cache(environ=os.environ) -> str | None:
     (``~/.cache/jaxkv/xla``). A folder already set for JAX (``JAX_COMPILATION_CACHE_DIR`` or
     ``jax.config``) is kept as it is. Every program is cached, however fast it compiled, unless
     ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise. A second run of the same
-    model and cache then loads its executables instead of compiling them (docs/PERFORMANCE.md).
+    model and cache then loads its executables instead of compiling them (docs/PERFORMANCE.md);
+    its decode loop and prefill chunk without even tracing them: they are kept in the folder's
+    ``jaxkv-executables`` (:data:`jaxkv.decode.loop.EXECUTABLE_STORE`).
 
     Off on jax < 0.6: jax 0.5.0's CPU executables reloaded from the cache decoded garbage
     (a resumed chat printed only ``<unk>``; see tests/test_chat.py).
     """
     import jax
 
-    if jax.config.jax_compilation_cache_dir:
-        return jax.config.jax_compilation_cache_dir
-    where = environ.get("JAXKV_COMPILE_CACHE")
-    if where == "off" or jax.__version_info__ < (0, 6):
-        return None
+    from jaxkv.decode import loop
+
+    where = jax.config.jax_compilation_cache_dir
     if not where:
-        where = os.path.join(environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxkv", "xla")
-    jax.config.update("jax_compilation_cache_dir", where)
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        where = environ.get("JAXKV_COMPILE_CACHE")
+        if where == "off" or jax.__version_info__ < (0, 6):
+            return None
+        if not where:
+            where = os.path.join(environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxkv", "xla")
+        jax.config.update("jax_compilation_cache_dir", where)
+        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in environ:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if jax.__version_info__ >= (0, 6):
+        loop.EXECUTABLE_STORE = os.path.join(where, "jaxkv-executables")
     return where
 
 

@@ -20,8 +20,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
+import os
+import pickle
+import tempfile
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
@@ -264,7 +269,7 @@ def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]]
     for c in plan_chunks(spec, lengths, counts, t):
         tokens, n = jnp.asarray(c.take(prompts, t)), jnp.asarray(c.n)
         if run is None:  # one signature for every chunk
-            run, _ = _compile_prefill(graphdef, (state, tokens, n, cache))
+            run, _ = _compile_prefill(model, graphdef, (state, tokens, n, cache))
         logits, cache = run(state, tokens, n, cache)
         finished = jnp.asarray((c.n > 0) & (c.remaining == c.n))
         last = logits[:, 0] if last is None else jnp.where(finished[:, None], logits[:, 0], last)
@@ -315,15 +320,15 @@ def warm_prefill(model: LoadedModel, cache: KVCache, n_prompt: int, chunk: int =
     t = chunk_len(cache.spec, n_prompt, chunk)
     graphdef, state = nnx.split(model.model)
     tokens = jnp.zeros((cache.batch, t), jnp.int32)
-    return _compile_prefill(graphdef, (state, tokens, jnp.zeros((cache.batch,), jnp.int32), cache))[1]
+    return _compile_prefill(model, graphdef, (state, tokens, jnp.zeros((cache.batch,), jnp.int32), cache))[1]
 
 
-def _compile_prefill(graphdef, args):
+def _compile_prefill(model, graphdef, args):
     """The compiled :func:`prefill_chunk` for ``args = (state, tokens, n, cache)`` and the
     seconds it took, kept per signature as the decode loop's are (:func:`_compile`): compiling
     ahead of the first chunk runs nothing (warming by calling the jitted function ran a whole
     chunk of the model: 0.5 s of a SmolLM2 first token)."""
-    return _kept("prefill", _signature(args, graphdef), lambda: prefill_chunk.lower(graphdef, *args))
+    return _kept("prefill", _signature(args, graphdef), lambda: prefill_chunk.lower(graphdef, *args), _storable(model))
 
 
 # ---- the decode loop -----------------------------------------------------------------------------
@@ -437,34 +442,111 @@ def compile_decode(model, cache: KVCache, logits=None, *, sampler: Sampler = Sam
     ``compiled(state, cache, loop, max_new, rng)`` runs one block.
     """
     graphdef, args = _decode_args(model, cache, logits, max_new_tokens, seed, step)
-    return _compile(graphdef, args, sampler, block, eos_id)
+    return _compile(model, graphdef, args, sampler, block, eos_id)
 
 
 _EXECUTABLES: dict = {}
 _EXECUTABLES_KEPT = 16  # decode loops and prefill chunks
+EXECUTABLE_STORE: str | None = None
+"""Folder where compiled decode loops and prefill chunks of jaxkv's model families are kept
+across processes (None: not kept). :func:`jaxkv.cli.use_compile_cache` sets it beside JAX's
+persistent compilation cache, which still traces and lowers a program to find it (~1 s of a
+SmolLM2 first token); a stored executable is found by its signature alone. Executables are
+pickles: keep the folder as private as JAX's cache."""
 
 
-def _compile(graphdef, args, sampler, block, eos_id):
+def _compile(model, graphdef, args, sampler, block, eos_id):
     """The compiled decode loop and the seconds it took; kept per signature (``lower`` alone
     re-traces the whole model, ~0.3 s for SmolLM2, on every call)."""
     return _kept("decode", _signature(args, graphdef, sampler, block, eos_id),
-                 lambda: decode_block.lower(graphdef, *args, sampler=sampler, block=block, eos_id=eos_id))
+                 lambda: decode_block.lower(graphdef, *args, sampler=sampler, block=block, eos_id=eos_id),
+                 _storable(model))
 
 
-def _kept(program: str, signature: tuple, lower):
+def _kept(program: str, signature: tuple, lower, stored: bool):
     """``(compiled, seconds)``: the executable of ``program`` for ``signature``, compiled from
     ``lower()`` unless kept from an earlier call; kept as the most recently used (the last
-    :data:`_EXECUTABLES_KEPT`, decode loops and prefill chunks together)."""
+    :data:`_EXECUTABLES_KEPT`, decode loops and prefill chunks together) and, if ``stored``,
+    in :data:`EXECUTABLE_STORE` (read back there before compiling)."""
     t0 = time.perf_counter()
     key = (program, *signature)
     compiled = _EXECUTABLES.pop(key, None)
+    path = _stored_path(key) if compiled is None and stored and EXECUTABLE_STORE else None
+    if path:
+        compiled = _load_executable(path)
     if compiled is None:
         with count_compiles(program):
             compiled = lower().compile()
+        if path:
+            _store_executable(path, compiled)
     _EXECUTABLES[key] = compiled
     while len(_EXECUTABLES) > _EXECUTABLES_KEPT:
         _EXECUTABLES.pop(next(iter(_EXECUTABLES)))
     return compiled, time.perf_counter() - t0
+
+
+def _storable(model) -> bool:
+    """Whether ``model``'s programs may be stored: a model of a jaxkv family, whose code the
+    stored executables' key covers (:func:`_code_digest`); not a user's own Flax module."""
+    return isinstance(model, LoadedModel) and type(model.model).__module__.startswith("jaxkv.")
+
+
+def _stored_path(key: tuple) -> str:
+    """The file of ``key``'s executable in :data:`EXECUTABLE_STORE`: named by a SHA-256 of the
+    key's text (static arguments, pytree structures, shapes, dtypes, shardings) and of
+    everything else the compiled program depends on (:func:`_code_digest`)."""
+    digest = hashlib.sha256(f"{key!r}\n{_code_digest()}".encode()).hexdigest()
+    return os.path.join(EXECUTABLE_STORE, f"{key[0]}-{digest[:40]}.pkl")
+
+
+@functools.cache
+def _code_digest() -> str:
+    """This process's code and settings a compiled program depends on: jaxkv's source, the
+    jax, jaxlib and flax versions, the backend and its devices, ``XLA_FLAGS`` and every
+    ``jax.config`` value."""
+    import flax
+    import jaxlib
+
+    h = hashlib.sha256()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for folder, _, files in sorted(os.walk(root)):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(os.path.relpath(f.name, root).encode() + f.read())
+    backend = jax.devices()[0].client
+    h.update(repr((jax.__version__, jaxlib.__version__, flax.__version__, backend.platform, backend.platform_version,
+                   [(d.id, d.device_kind) for d in jax.devices()], os.environ.get("XLA_FLAGS"),
+                   sorted((k, repr(v)) for k, v in jax.config.values.items()))).encode())
+    return h.hexdigest()
+
+
+def _load_executable(path: str):
+    """The executable stored at ``path``, or None (none there, or one this jax cannot load)."""
+    from jax.experimental import serialize_executable
+
+    try:
+        with open(path, "rb") as f:
+            return serialize_executable.deserialize_and_load(*pickle.load(f))
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file: compile instead, and replace it
+        warnings.warn(f"jaxkv: compiling instead of loading {path} ({type(e).__name__}: {e})", stacklevel=3)
+        return None
+
+
+def _store_executable(path: str, compiled) -> None:
+    """Write ``compiled`` to ``path`` (atomically). A backend that cannot serialise its
+    executables (jax.experimental.serialize_executable raises) stores nothing."""
+    from jax.experimental import serialize_executable
+
+    try:
+        blob = pickle.dumps(serialize_executable.serialize(compiled))
+    except (ValueError, NotImplementedError, TypeError, pickle.PicklingError):
+        return
+    os.makedirs(EXECUTABLE_STORE, exist_ok=True)
+    with tempfile.NamedTemporaryFile("wb", dir=EXECUTABLE_STORE, delete=False) as f:
+        f.write(blob)
+    os.replace(f.name, path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -526,7 +608,7 @@ def decode(
       *not* in the cache: feed it first when continuing.
     """
     graphdef, args = _decode_args(model, cache, logits, max_new_tokens, seed, step)
-    compiled, compile_s = _compile(graphdef, args, sampler, block, eos_id)
+    compiled, compile_s = _compile(model, graphdef, args, sampler, block, eos_id)
     state, cache, loop, max_new, rng = args
     ids: list[list[int]] = [[] for _ in range(cache.batch)]
     decode_s, stopped, steps = 0.0, None, 0
