@@ -14,6 +14,7 @@ import io
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -386,3 +387,11 @@ def test_the_command_caches_compiled_programs_and_a_second_run_loads_them(tmp_pa
     assert second.returncode == 0, second.stderr
     assert second.stdout == first.stdout and "Lily" in first.stdout
     assert sorted(p.relative_to(cache) for p in cache.rglob("*")) == entries  # loaded, none compiled anew
+    # An executable JAX's cache loads is not stored (serialised again it lacks its compiled
+    # code: "Function ... not found" when the next process runs it): the store fills only
+    # with what a process compiled itself.
+    shutil.rmtree(cache / "jaxkv-executables")
+    for _ in range(2):
+        again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr
+        assert again.stdout == first.stdout

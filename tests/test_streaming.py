@@ -252,7 +252,7 @@ def test_a_stored_decode_loop_and_prefill_chunk_are_loaded_instead_of_compiled(t
     """With an executable store (what ``jaxkv`` turns on beside JAX's compilation cache), a
     process that has not compiled a signature loads its decode loop and prefill chunk from the
     store: nothing compiles, the tokens are the compiled ones. Another cache spec is another
-    file; a damaged file is compiled again (with a warning) and replaced; a user's own Flax
+    file; a damaged file is compiled again (with a warning) and removed; a user's own Flax
     module is not stored (its code is not in the key)."""
     from jaxkv import generate
     from jaxkv.decode import compile_counts, loop
@@ -278,8 +278,7 @@ def test_a_stored_decode_loop_and_prefill_chunk_are_loaded_instead_of_compiled(t
     loop._EXECUTABLES.clear()
     with pytest.warns(UserWarning, match="compiling instead of loading"):
         assert generate(model, [tokens_for(5)], **kwargs).token_ids == compiled
-    assert compile_counts()["decode"] == before["decode"] + 1
-    assert decode_file.read_bytes() != b"not an executable"
+    assert not decode_file.exists()  # stored again by the next process that compiles it
 
     class Own(nnx.Module):  # a user's model class: its code could change under the same key
         pass

@@ -125,13 +125,19 @@ _COMPILES: Counter = Counter()
 _PROGRAM = threading.local()
 
 
+_CACHE_LOADS: Counter = Counter()  # of those, executables JAX's persistent cache loaded
+
+
 def _on_event(event: str, *args, **kwargs) -> None:
     program = getattr(_PROGRAM, "name", None)
     if program is not None and event == "/jax/core/compile/backend_compile_duration":
         _COMPILES[program] += 1
+    elif program is not None and event == "/jax/compilation_cache/cache_hits":
+        _CACHE_LOADS[program] += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
+jax.monitoring.register_event_listener(_on_event)
 
 
 @contextlib.contextmanager
@@ -467,7 +473,9 @@ def _kept(program: str, signature: tuple, lower, stored: bool):
     """``(compiled, seconds)``: the executable of ``program`` for ``signature``, compiled from
     ``lower()`` unless kept from an earlier call; kept as the most recently used (the last
     :data:`_EXECUTABLES_KEPT`, decode loops and prefill chunks together) and, if ``stored``,
-    in :data:`EXECUTABLE_STORE` (read back there before compiling)."""
+    in :data:`EXECUTABLE_STORE` (read back there before compiling). Only an executable this
+    process compiled is stored: one JAX's persistent cache loaded serialises without its
+    compiled code (jax 0.10.2 CPU: "Function ... not found" in the process that loads it)."""
     t0 = time.perf_counter()
     key = (program, *signature)
     compiled = _EXECUTABLES.pop(key, None)
@@ -475,9 +483,10 @@ def _kept(program: str, signature: tuple, lower, stored: bool):
     if path:
         compiled = _load_executable(path)
     if compiled is None:
+        before = _COMPILES[program], _CACHE_LOADS[program]
         with count_compiles(program):
             compiled = lower().compile()
-        if path:
+        if path and _COMPILES[program] > before[0] and _CACHE_LOADS[program] == before[1]:  # compiled here
             _store_executable(path, compiled)
     _EXECUTABLES[key] = compiled
     while len(_EXECUTABLES) > _EXECUTABLES_KEPT:
@@ -521,7 +530,8 @@ def _code_digest() -> str:
 
 
 def _load_executable(path: str):
-    """The executable stored at ``path``, or None (none there, or one this jax cannot load)."""
+    """The executable stored at ``path``, or None: none there, or one this jax cannot load
+    (damaged: warned about and removed, so that the next compile of it stores it again)."""
     from jax.experimental import serialize_executable
 
     try:
@@ -529,8 +539,10 @@ def _load_executable(path: str):
             return serialize_executable.deserialize_and_load(*pickle.load(f))
     except FileNotFoundError:
         return None
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign file: compile instead, and replace it
-        warnings.warn(f"jaxkv: compiling instead of loading {path} ({type(e).__name__}: {e})", stacklevel=3)
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file: compile instead, and drop it
+        warnings.warn(f"jaxkv: compiling instead of loading {path} ({type(e).__name__}: {e}); removed", stacklevel=3)
+        with contextlib.suppress(OSError):
+            os.remove(path)
         return None
 
 

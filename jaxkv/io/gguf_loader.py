@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import math
 import mmap
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -234,6 +235,7 @@ def load_gguf(path: str | os.PathLike, *, lazy: bool = False) -> tuple[Any, Mapp
     name = os.path.basename(os.fspath(path))
     reader = _open(path, name)
     metadata = _metadata(reader, name)
+    reader.fields.clear()  # its parsed metadata (~130 MiB for a 49k-token vocabulary); the lazy weights keep the reader
     tensors = {t.name: t for t in reader.tensors}
     shapes = {key: tuple(int(x) for x in t.shape[::-1]) for key, t in tensors.items()}  # numpy order: (out, in)
     try:
@@ -288,7 +290,7 @@ def _build_stacks(reader: _Reader, name: str, keys, parts, tensors, per_layer: b
     holds, :class:`jaxkv.models.weights.TransposedWeight`), and handed out as its transposed
     view in the ``x @ W`` layout, so holding it copies nothing more."""
     held = [(*p[:-2], p[-1], p[-2]) if matrix else p for p in parts]
-    stacks = [np.empty((len(tensors), *p), dtype=np.float32) for p in held]
+    stacks = [_aligned_empty((len(tensors), *p)) for p in held]
     views = [np.swapaxes(s, -1, -2) if matrix else s for s in stacks]  # [L, ..., in, out]
 
     def fill(i):
@@ -305,3 +307,13 @@ def _build_stacks(reader: _Reader, name: str, keys, parts, tensors, per_layer: b
         list(pool.map(fill, range(len(tensors))))  # numpy releases the GIL in the heavy parts
     reader.release(tensors)
     return {key: view if per_layer else view[0] for key, view in zip(keys, views)}
+
+
+def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """``np.empty(shape, np.float32)`` starting on a 64-byte boundary (numpy's own start on 16):
+    ``jax.device_put`` on CPU then holds the stack as it is instead of copying it, so a float32
+    weight is in memory once while the model is loaded, not twice (SmolLM2: ~110 MB less at the peak)."""
+    size = math.prod(shape) * 4
+    raw = np.empty(size + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start : start + size].view(np.float32).reshape(shape)
