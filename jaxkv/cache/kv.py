@@ -381,7 +381,6 @@ def _created(spec, *, batch, n_layers, n_kv_heads, head_dim):
 
 
 # ---- the cache against the machine's memory --------------------------------------------------------
-
 def cache_bytes(spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
     """Bytes of every leaf of ``KVCache.create(spec, ...)``, from the leaves' shapes (nothing is allocated).
 

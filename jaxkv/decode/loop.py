@@ -122,10 +122,8 @@ def to_host(x) -> np.ndarray:
 
 # ---- counting real compilations ------------------------------------------------------------------
 _COMPILES: Counter = Counter()
-_PROGRAM = threading.local()
-
-
 _CACHE_LOADS: Counter = Counter()  # of those, executables JAX's persistent cache loaded
+_PROGRAM = threading.local()
 
 
 def _on_event(event: str, *args, **kwargs) -> None:
