@@ -252,8 +252,8 @@ def test_a_stored_decode_loop_and_prefill_chunk_are_loaded_instead_of_compiled(t
     """With an executable store (what ``jaxkv`` turns on beside JAX's compilation cache), a
     process that has not compiled a signature loads its decode loop and prefill chunk from the
     store: nothing compiles, the tokens are the compiled ones. Another cache spec is another
-    file; a damaged file is compiled again (with a warning) and removed; a user's own Flax
-    module is not stored (its code is not in the key)."""
+    file; a damaged file is compiled again (with a warning) and removed; a folder that cannot
+    be written is warned about; a user's own Flax module is not stored (its code is not in the key)."""
     from jaxkv import generate
     from jaxkv.decode import compile_counts, loop
 
@@ -279,6 +279,11 @@ def test_a_stored_decode_loop_and_prefill_chunk_are_loaded_instead_of_compiled(t
     with pytest.warns(UserWarning, match="compiling instead of loading"):
         assert generate(model, [tokens_for(5)], **kwargs).token_ids == compiled
     assert not decode_file.exists()  # stored again by the next process that compiles it
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(loop, "EXECUTABLE_STORE", str(tmp_path / "a-file" / "store"))  # cannot be made
+    with pytest.warns(UserWarning, match="compiled program not stored"):
+        assert generate(model, [tokens_for(5)], **{**kwargs, "cache": CacheSpec(sink=2, window=16)}).token_ids[0]
 
     class Own(nnx.Module):  # a user's model class: its code could change under the same key
         pass

@@ -151,7 +151,8 @@ def count_compiles(program: str):
 
 def compile_counts() -> dict[str, int]:
     """Backend compilations so far in this process, per program: ``decode`` (the decode loop),
-    ``prefill`` (a prefill chunk), ``nll`` (a scoring chunk of :func:`jaxkv.eval.token_nll`).
+    ``prefill`` (a prefill chunk), ``nll`` (a scoring chunk of :func:`jaxkv.eval.token_nll`);
+    an executable JAX's persistent compilation cache loads counts too (one event covers both).
 
     Counted from JAX's own compile events, so a program that re-traces and re-compiles (a
     shape or a static argument that changes per call) shows here however it is invoked.
@@ -534,9 +535,11 @@ def _load_executable(path: str):
 
     try:
         with open(path, "rb") as f:
-            return serialize_executable.deserialize_and_load(*pickle.load(f))
-    except FileNotFoundError:
+            blob = f.read()
+    except OSError:  # none there (a folder that cannot be read or written: storing says so)
         return None
+    try:
+        return serialize_executable.deserialize_and_load(*pickle.loads(blob))
     except Exception as e:  # noqa: BLE001 - a damaged or foreign file: compile instead, and drop it
         warnings.warn(f"jaxkv: compiling instead of loading {path} ({type(e).__name__}: {e}); removed", stacklevel=3)
         with contextlib.suppress(OSError):
@@ -546,17 +549,26 @@ def _load_executable(path: str):
 
 def _store_executable(path: str, compiled) -> None:
     """Write ``compiled`` to ``path`` (atomically). A backend that cannot serialise its
-    executables (jax.experimental.serialize_executable raises) stores nothing."""
+    executables (jax.experimental.serialize_executable raises) stores nothing; a folder that
+    cannot be written is warned about (decoding goes on)."""
     from jax.experimental import serialize_executable
 
     try:
         blob = pickle.dumps(serialize_executable.serialize(compiled))
     except (ValueError, NotImplementedError, TypeError, pickle.PicklingError):
         return
-    os.makedirs(EXECUTABLE_STORE, exist_ok=True)
-    with tempfile.NamedTemporaryFile("wb", dir=EXECUTABLE_STORE, delete=False) as f:
-        f.write(blob)
-    os.replace(f.name, path)
+    written = None
+    try:
+        os.makedirs(EXECUTABLE_STORE, exist_ok=True)
+        with tempfile.NamedTemporaryFile("wb", dir=EXECUTABLE_STORE, suffix=".tmp", delete=False) as f:
+            written = f.name
+            f.write(blob)
+        os.replace(written, path)
+    except OSError as e:  # a read-only or full disk: the next process compiles again
+        warnings.warn(f"jaxkv: compiled program not stored in {EXECUTABLE_STORE} ({e})", stacklevel=3)
+        if written:
+            with contextlib.suppress(OSError):
+                os.remove(written)
 
 
 @dataclasses.dataclass(frozen=True)
