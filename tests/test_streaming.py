@@ -16,8 +16,8 @@ from flax import nnx
 from conftest import decode_loop_hlo
 from reference import RefDecoder, ref_config, ref_kwargs
 from jaxkv import CacheSpec, CacheFullError, JaxkvError, KVCache, Sampler, forward, prefill, sample
-from jaxkv.io import LoadedModel
 from jaxkv.cache.attention import RING_BLOCK
+from jaxkv.io import LoadedModel
 from jaxkv.testing import materialised_buffers, numpy_weights, tiny_loaded, tiny_model
 
 PAIRS = [(0, 8), (4, 8), (4, 13), (1, 1), (2, 64)]
@@ -246,7 +246,6 @@ def test_sample_compiles_once_per_spec_and_batch(stories):
     assert compile_counts()["prefill"] == prefill_before
 
 
-
 @pytest.mark.skipif(jax.__version_info__ < (0, 6), reason="no store below jax 0.6 (jaxkv.cli.use_compile_cache)")
 def test_a_stored_decode_loop_and_prefill_chunk_are_loaded_instead_of_compiled(tmp_path, monkeypatch):
     """With an executable store (what ``jaxkv`` turns on beside JAX's compilation cache), a
@@ -289,6 +288,7 @@ def test_a_stored_decode_loop_and_prefill_chunk_are_loaded_instead_of_compiled(t
         pass
 
     assert loop._storable(model) and not loop._storable(LoadedModel(config=model.config, model=Own(), tokenizer=None))
+
 
 @pytest.mark.parametrize("kv_quantize", ["fp32", "fp16", "bf16"])
 def test_decode_loop_writes_the_window_in_place_and_never_copies_it(kv_quantize):
