@@ -282,7 +282,8 @@ def test_a_stored_decode_loop_and_prefill_chunk_are_loaded_instead_of_compiled(t
     (tmp_path / "a-file").write_text("")
     monkeypatch.setattr(loop, "EXECUTABLE_STORE", str(tmp_path / "a-file" / "store"))  # cannot be made
     with pytest.warns(UserWarning, match="compiled program not stored"):
-        assert generate(model, [tokens_for(5)], **{**kwargs, "cache": CacheSpec(sink=2, window=16)}).token_ids[0]
+        out = generate(model, [tokens_for(5)], **{**kwargs, "cache": CacheSpec(sink=2, window=16)})
+    assert len(out.token_ids[0]) == 12 and out.finish_reasons == ["length"]  # decoding went on to its budget
 
     class Own(nnx.Module):  # a user's model class: its code could change under the same key
         pass
