@@ -233,11 +233,12 @@ def prefill_chunk(graphdef, state, tokens, n, cache):
     return forward(graphdef, state, tokens, n, cache, last_only=True)
 
 
-PREFILL_CHUNK = 256
-"""Default tokens per compiled prefill call. SmolLM2-135M (fp32, 2-core AMD EPYC, a full cache):
-256 prefilled 512 / 2,048-token prompts 5-18 % / 26-42 % faster than 128 (each call copies every
-layer's weights out of the layer scan's stacks once) and 2,048-token prompts 12-19 % faster than
-512 (docs/PERFORMANCE.md)."""
+PREFILL_CHUNK = 512
+"""Default tokens per compiled prefill call (capped by the spec's ``max_chunk``: a window of 252
+prefills in calls of 252). SmolLM2-135M (fp32, 2-core AMD EPYC, a full cache, the ring read in
+blocks of :data:`~jaxkv.cache.attention.RING_BLOCK`): 512 prefilled 512 / 2,048-token prompts
+12-23 % / 2-27 % faster than 256 (each call copies every layer's weights out of the layer scan's
+stacks once); 1,024 was no faster at 2,048 tokens (docs/PERFORMANCE.md)."""
 
 
 def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]], *, chunk: int = PREFILL_CHUNK):
