@@ -40,7 +40,7 @@ Run (each ``--pair`` is LABEL=GGUF:WEIGHTS, WEIGHTS a ``--weights`` form of jaxk
 What each side measures (batch 1, random prompt tokens, greedy, 2 threads for llama.cpp):
 
 * ``pp512`` / ``pp2048``: prefill tokens/s of a 512 / 2,048-token prompt into an empty cache
-  (llama.cpp: f16 KV cache, batch 2048; jaxkv: a full fp32 cache, chunks of 256, compiled first).
+  (llama.cpp: f16 KV cache, batch 2048; jaxkv: a full fp32 cache, calls of ``jaxkv.decode.loop.PREFILL_CHUNK`` tokens, compiled first).
 * ``tg128@512``: decode tokens/s of 128 tokens after a 512-token prompt (llama-bench ``-d 512``;
   jaxkv a full cache, blocks of 32). ``stream tg128@512``: jaxkv the same, streaming (the first
   token alone, then ~0.1 s blocks: what ``jaxkv sample`` does).
