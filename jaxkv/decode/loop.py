@@ -236,9 +236,11 @@ def prefill_chunk(graphdef, state, tokens, n, cache):
 PREFILL_CHUNK = 512
 """Default tokens per compiled prefill call (capped by the spec's ``max_chunk``: a window of 252
 prefills in calls of 252). SmolLM2-135M (fp32, 2-core AMD EPYC, a full cache, the ring read in
-blocks of :data:`~jaxkv.cache.attention.RING_BLOCK`): 512 prefilled 512 / 2,048-token prompts
-12-23 % / 2-27 % faster than 256 (each call copies every layer's weights out of the layer scan's
-stacks once); 1,024 was no faster at 2,048 tokens (docs/PERFORMANCE.md)."""
+blocks of :data:`~jaxkv.cache.attention.RING_BLOCK`): 512 prefilled 512-token prompts 23 %
+faster than 256 (two rounds) and 2,048-token prompts 2-27 % (four; each call copies every
+layer's weights out of the layer scan's stacks once); 1,024 was no faster at 2,048 tokens. The
+price: a call's scores and keys grow with T (SmolLM2 fp32: 33 -> 59 MiB of XLA temporaries;
+docs/PERFORMANCE.md)."""
 
 
 def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]], *, chunk: int = PREFILL_CHUNK):
