@@ -43,13 +43,14 @@ def write_ring(buf, new, start, n, *, batch_axis: int, slot_axis: int, batch_par
     j = lax.broadcasted_iota(jnp.int32, mask_shape, slot_axis)
 
     def entries(row_new, src0):
-        # chunk entries src0 + j, j in [0, block), gathered at indices clamped into [0, T) (take's
-        # mode="clip"): the entries a write keeps are always in range, the others are masked out.
-        # (The chunk zero-extended by a block on each side, read at an offset, held [.., 3T, ..]
-        # for all layers at once: 70 MB of SmolLM2's prefill at T = 512.)
+        # chunk entries src0 + j, j in [0, block), gathered at indices clipped here into [0, T) (so
+        # XLA's own clamping never engages): the entries a write keeps are always in range, the
+        # others are masked out. (The chunk zero-extended by a block on each side, read at an
+        # offset, held [.., 3T, ..] for all layers at once: 70 MB of SmolLM2's prefill at T = 512.)
         if chunk == 1:  # src0 is 0: the entry itself
             return row_new
-        return jnp.take(row_new, src0 + jnp.arange(block, dtype=jnp.int32), axis=slot_axis, mode="clip")
+        idx = jnp.clip(src0 + jnp.arange(block, dtype=jnp.int32), 0, chunk - 1)
+        return jnp.take(row_new, idx, axis=slot_axis, mode="clip")
 
     def row_update(buf, b, o, m, row_new):  # row_new: the chunk of row b, batch axis of size 1
 
