@@ -110,6 +110,14 @@ def full_cache_len(n_tokens: int, step: int = 256) -> int:
     return step * -(-n_tokens // step)
 
 
+def placed(x) -> jax.Array:
+    """A host value (NumPy array or scalar, its dtype kept) on the default device, placed by
+    ``jax.device_put``: ``jnp.asarray``, ``jnp.zeros`` or ``jnp.int32`` of a host value each run
+    a small XLA program, which a fresh process traces, lowers and looks up in the compilation
+    cache (~10-40 ms apiece on the project's CPU) before its first token."""
+    return jax.device_put(x)
+
+
 def to_host(x) -> np.ndarray:
     """``x`` as a NumPy array on this host. A global array that spans other processes' devices
     (several hosts after ``jax.distributed.initialize()``) is all-gathered first."""
@@ -275,12 +283,14 @@ def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]]
     graphdef, state = nnx.split(model.model)
     last, run = None, None
     for c in plan_chunks(spec, lengths, counts, t):
-        tokens, n = jnp.asarray(c.take(prompts, t)), jnp.asarray(c.n)
+        tokens, n = placed(c.take(prompts, t)), placed(c.n)
         if run is None:  # one signature for every chunk
             run, _ = _compile_prefill(model, graphdef, (state, tokens, n, cache))
         logits, cache = run(state, tokens, n, cache)
-        finished = jnp.asarray((c.n > 0) & (c.remaining == c.n))
-        last = logits[:, 0] if last is None else jnp.where(finished[:, None], logits[:, 0], last)
+        if last is None:
+            last = logits[:, 0]
+        else:  # the rows whose prompt ended in this chunk
+            last = jnp.where(placed((c.n > 0) & (c.remaining == c.n))[:, None], logits[:, 0], last)
     return cache, last
 
 
@@ -305,8 +315,8 @@ def _observed_prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequ
     score = pooled(observer.keep.ring_score, observer.length)
     t = chunk_len(cache.spec, int(np.max(counts)), chunk)
     for c in plan_chunks(cache.spec, np.zeros_like(counts), counts, t):
-        cache = _replay_chunk(cache, observer.ring_k, observer.ring_v, score, jnp.asarray(c.offsets, jnp.int32),
-                              jnp.asarray(c.n), t)
+        cache = _replay_chunk(cache, observer.ring_k, observer.ring_v, score, placed(c.offsets.astype(np.int32)),
+                              placed(c.n), t)
     return cache, logits
 
 
@@ -327,8 +337,8 @@ def warm_prefill(model: LoadedModel, cache: KVCache, n_prompt: int, chunk: int =
     before in this process)."""
     t = chunk_len(cache.spec, n_prompt, chunk)
     graphdef, state = nnx.split(model.model)
-    tokens = jnp.zeros((cache.batch, t), jnp.int32)
-    return _compile_prefill(model, graphdef, (state, tokens, jnp.zeros((cache.batch,), jnp.int32), cache))[1]
+    tokens = placed(np.zeros((cache.batch, t), np.int32))
+    return _compile_prefill(model, graphdef, (state, tokens, placed(np.zeros((cache.batch,), np.int32)), cache))[1]
 
 
 def _compile_prefill(model, graphdef, args):
@@ -358,14 +368,14 @@ class LoopState:
     reason: jax.Array
     generated: jax.Array
     step: jax.Array
-    limit: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(INT32_LIMIT - 1))
+    limit: jax.Array = dataclasses.field(default_factory=lambda: placed(np.int32(INT32_LIMIT - 1)))
 
     @classmethod
     def start(cls, logits, step: int = 0) -> "LoopState":
         """The state before the first sampled token, from ``logits: float32[B, V]`` (no limit below ``block``)."""
         batch = logits.shape[0]
-        return cls(logits=logits, done=jnp.zeros((batch,), bool), reason=jnp.zeros((batch,), jnp.int32),
-                   generated=jnp.zeros((batch,), jnp.int32), step=jnp.int32(step))
+        return cls(logits=logits, done=placed(np.zeros((batch,), bool)), reason=placed(np.zeros((batch,), np.int32)),
+                   generated=placed(np.zeros((batch,), np.int32)), step=placed(np.int32(step)))
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("sampler", "block", "eos_id"), donate_argnames=("cache",))
@@ -415,11 +425,11 @@ def _decode_args(model, cache: KVCache, logits, max_new_tokens, seed, step):
     """The traced arguments of :func:`decode_block` after the graphdef."""
     graphdef, state = nnx.split(model.model if isinstance(model, LoadedModel) else model)
     if logits is None:
-        logits = jnp.zeros((cache.batch, model.config.vocab_size), jnp.float32)
+        logits = placed(np.zeros((cache.batch, model.config.vocab_size), np.float32))
     if isinstance(max_new_tokens, int):
         max_new_tokens = [max_new_tokens] * cache.batch
     loop = LoopState.start(logits, step)
-    return graphdef, (state, cache, loop, jnp.asarray(max_new_tokens, jnp.int32), prng_keys(seed, cache.batch))
+    return graphdef, (state, cache, loop, placed(np.asarray(max_new_tokens, np.int32)), prng_keys(seed, cache.batch))
 
 
 def lower_decode(model, cache: KVCache, logits=None, *, sampler: Sampler = Sampler(), block: int = 32,
@@ -640,7 +650,7 @@ def decode(
     while True:
         if stream_s is not None:  # steps so far at their mean seconds per step: how many fit in stream_s
             limit = 1 if steps == 0 else min(block, max(1, int(stream_s * steps / max(decode_s, 1e-9))))
-            loop = dataclasses.replace(loop, limit=jnp.int32(limit))
+            loop = dataclasses.replace(loop, limit=placed(np.int32(limit)))
         t1 = time.perf_counter()
         cache, loop, out = compiled(state, cache, loop, max_new, rng)
         out = to_host(out)
