@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     for name in filter(None, args.policies.split(",")):
         result = retrieval_accuracy(model, lambda slots, name=name: spec_for(name, slots), "passkey", lengths, depths,
                                     args.seeds, batch=args.batch_size,
-                                    log=lambda line: print(f"  {name}: {line}", file=sys.stderr, flush=True))
+                                    log=lambda line: print(f"  {name}: {line}", file=sys.stderr, flush=True))  # noqa: B023
         entry = results.setdefault(name, {})
         entry.update(accuracy=result.accuracy.tolist(), mean=result.accuracy.mean(axis=0).tolist(),
                      seconds=result.seconds, retrieval=result.to_json())

@@ -180,7 +180,7 @@ def table(results: dict) -> str:
     """The markdown table of medians over rounds, jaxkv / llama.cpp ratios (TTFT: llama.cpp / jaxkv, >1 = jaxkv faster)."""
     rows = ["| model (GGUF) | jaxkv weights | test | llama.cpp | jaxkv | ratio (jaxkv / llama.cpp) |", "|---|---|---|---:|---:|---:|"]
     for run in results["runs"]:
-        med = lambda side, k: statistics.median(r[k] for r in run[side] if k in r)  # noqa: E731
+        med = lambda side, k: statistics.median(r[k] for r in run[side] if k in r)  # noqa: E731, B023
         lab, w = run["label"], run["weights"]
         for test in results["tests"]:
             a, b = med("llama", test), med("jaxkv", test)

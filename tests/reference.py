@@ -308,7 +308,7 @@ class RefDecoder:
             qr = rope(q, qpos, c["theta"], self.layout)
             # the token attends to itself as computed (jaxkv: the chunk's own keys), to the rest as stored
             def held(p, floats, quantised, tier):
-                return (tier if p in tier else quantised if p in flushed else floats)[p][l]
+                return (tier if p in tier else quantised if p in flushed else floats)[p][l]  # noqa: B023 (called in this iteration)
 
             kk = np.stack([k if p == t else held(p, self.k, self.kq, self.kt) for p in keys], axis=1)  # [K, S, H]
             vv = np.stack([v if p == t else held(p, self.v, self.vq, self.vt) for p in keys], axis=1)

@@ -23,12 +23,21 @@ import numpy as np
 import pytest
 
 from paths import REPO, STORIES_BIN, TOK512_MODEL
+
 from jaxkv import CacheSpec, JaxkvError, generate, sample
 from jaxkv.cache import kv
-from jaxkv.decode.batch import (Row, _RowLimits, padded_batch_size, parse_requests, plan_batches, read_requests, run_rows,
-                                write_jsonl_atomic)
 from jaxkv.cache.ring import write_ring
 from jaxkv.cli import main
+from jaxkv.decode.batch import (
+    Row,
+    _RowLimits,
+    padded_batch_size,
+    parse_requests,
+    plan_batches,
+    read_requests,
+    run_rows,
+    write_jsonl_atomic,
+)
 from jaxkv.testing import tiny_loaded
 
 FP = CacheSpec(sink=4, window=60)

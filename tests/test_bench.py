@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from paths import REPO
 
 from jaxkv import CacheSpec, JaxkvError, KVCache, LlamaConfig, memory_report

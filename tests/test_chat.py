@@ -25,6 +25,7 @@ import pytest
 
 from paths import REPO, SMOLLM2, STORIES_BIN, TOK512_MODEL
 from reference import RefDecoder, ref_config, ref_kwargs
+
 from jaxkv import CacheFullError, CacheSpec, ChatSession, JaxkvError, LoadedModel, Sampler, generate, load_model
 from jaxkv.decode.chat import default_cache_spec
 from jaxkv.models.llama import Llama
@@ -47,7 +48,7 @@ class Interrupted(BaseException):
 MESSAGES = ["Hello there", "Tell me a story about a cat", "Why is the sky blue?", "What happened next?", "Thank you"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stories_chat(stops: bool = False) -> LoadedModel:
     """stories260K with TEMPLATE as its chat template (``stops``: EOS row = 1.2 x the "." row)."""
     loaded = load_model(STORIES_BIN, tokenizer=TOK512_MODEL)

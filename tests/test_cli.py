@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from paths import STORIES_BIN, TEXT, TOK512_MODEL
+
 from jaxkv import CacheSpec, JaxkvError, sample
 from jaxkv.cli import main
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+
 from paths import DATA, REPO, STORIES_BIN, TOK512_MODEL
 
 import jaxkv

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from reference import quantize_dequantize
+
 from jaxkv import CacheSpec, JaxkvError, KVCache, forward
 from jaxkv.cache.rope import apply_rope
 from jaxkv.eval import FakeQuantKV, memory_rows, memory_spec, prefix_match, teacher_forced_nll, token_nll

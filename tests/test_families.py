@@ -203,7 +203,7 @@ def test_cli_refuses_maths_it_does_not_implement_in_one_line(folders, tmp_path, 
 
 
 def test_a_cache_without_the_models_window_is_refused_not_silently_wrong(folders):
-    from jaxkv import KVCache, JaxkvError
+    from jaxkv import JaxkvError, KVCache
 
     model = load_model(folders("mistral"))  # every layer local: a plain cache would run, without the window
     c = model.config

@@ -13,6 +13,7 @@ import tempfile
 import pytest
 
 from paths import REPO, STORIES_BIN, TEXT, TOK512_MODEL
+
 from jaxkv import JaxkvError
 from jaxkv.files import atomic_write, check_writable
 

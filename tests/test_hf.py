@@ -26,6 +26,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors
 
 from paths import STORIES_BIN, TOK512_MODEL
 from reference import read_llama2c_raw
+
 from jaxkv import CacheSpec, JaxkvError, KVCache, ModelFileError, forward, load_model, sample
 from jaxkv.io import load_model_files, registry
 
@@ -173,8 +174,8 @@ def numpy_forward(cfg, t, tokens):
         p = f"model.layers.{i}."
 
         def proj(name, inp):
-            y = inp @ t[p + f"self_attn.{name}.weight"].T
-            return y + t[p + f"self_attn.{name}.bias"] if p + f"self_attn.{name}.bias" in t else y
+            y = inp @ t[p + f"self_attn.{name}.weight"].T  # noqa: B023 (proj is called in this iteration)
+            return y + t[p + f"self_attn.{name}.bias"] if p + f"self_attn.{name}.bias" in t else y  # noqa: B023
 
         hn = norm(x, t[p + "input_layernorm.weight"])
         q = rope(proj("q_proj", hn).reshape(T, n, h))

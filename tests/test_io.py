@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from paths import MODELS, SMOLLM2, STORIES_BIN, STORIES_GGUF
+
 import jaxkv
 import jaxkv.io
 from jaxkv.errors import JaxkvError, ModelFileError

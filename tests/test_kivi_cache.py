@@ -23,6 +23,7 @@ from flax import nnx
 
 from conftest import decode_loop_hlo
 from reference import RefDecoder, ref_config, ref_kwargs
+
 from jaxkv import CacheSpec, JaxkvError, KVCache, forward, prefill
 from jaxkv.cache import kivi
 from jaxkv.eval import tables as kivi_tables
@@ -442,7 +443,7 @@ def test_flush_timing_and_groups_never_requantised():
             for name, mask in [("k_codes", keep), ("v_codes", keep), ("v_scale", keep), ("v_zero", keep),
                                ("k_scale", keep_groups), ("k_zero", keep_groups)]:
                 old, new = getattr(prev.quant, name)[:, b], getattr(c.quant, name)[:, b]
-                bits_of = lambda a: np.ascontiguousarray(a[:, :, mask]).view(np.uint8)  # noqa: E731
+                bits_of = lambda a: np.ascontiguousarray(a[:, :, mask]).view(np.uint8)  # noqa: E731, B023
                 np.testing.assert_array_equal(bits_of(new), bits_of(old), err_msg=f"{name} row {b} step {step}")
     # row 0 (5 in the residual) flushes on its 4th decode token, row 1 (7) on its 2nd, then every R
     assert flush_steps == [[3, 3 + r, 3 + 2 * r], [1, 1 + r, 1 + 2 * r]]

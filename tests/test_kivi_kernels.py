@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from reference import NP_DTYPES, ref_dequantize, ref_pack, ref_quantize
+
 from jaxkv.cache import kivi
 from jaxkv.errors import JaxkvError
 
@@ -436,6 +437,7 @@ def test_hadamard_is_orthonormal_symmetric_and_the_sylvester_matrix():
     symmetric and orthonormal (M @ M = I to float32 rounding), so storing ``x @ M`` and reading
     ``(.) @ M`` gives ``x`` back and ``(q @ M) . (k @ M) = q . k``; other sizes are refused."""
     from reference import sylvester
+
     from jaxkv.cache.rotation import hadamard
 
     for n in (1, 2, 8, 64, 256):

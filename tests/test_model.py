@@ -14,6 +14,7 @@ from flax import nnx
 
 from paths import SMOLLM2, STORIES_BIN, TEXT, TOK512_BIN, TOK512_MODEL
 from reference import RefDecoder, read_llama2c_raw
+
 from jaxkv import CacheSpec, KVCache, forward, sample
 
 

@@ -19,10 +19,11 @@ from flax import nnx
 
 from paths import STORIES_BIN, TEXT, TOK512_MODEL
 from reference import RefDecoder, ref_config, ref_kwargs
+
 from jaxkv import CacheFullError, CacheSpec, JaxkvError, KVCache, LoadedModel, forward
 from jaxkv.cli import main
-from jaxkv.eval import perplexity, perplexity_by_range, recompute_nll, token_nll
 from jaxkv.decode import compile_counts
+from jaxkv.eval import perplexity, perplexity_by_range, recompute_nll, token_nll
 from jaxkv.eval.perplexity import recompute_contexts
 from jaxkv.testing import numpy_weights, tiny_loaded
 

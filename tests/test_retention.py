@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from reference import RefDecoder, ref_config, ref_kwargs
+
 from jaxkv import CacheSpec, JaxkvError, KVCache, forward
 from jaxkv.cache.attention import attend
 from jaxkv.cache.checkpoint import load_cache, save_cache

@@ -10,12 +10,20 @@ import json
 import re
 
 import pytest
+
 from paths import SMOLLM2, STORIES_BIN, TOK512_MODEL
 
 from jaxkv import CacheFullError, CacheSpec, JaxkvError, generate
 from jaxkv.cli import main
 from jaxkv.decode import compile_counts
-from jaxkv.eval import RetrievalPrompt, RetrievalResult, plot_heatmap, retrieval_accuracy, retrieval_prompt, score_answer
+from jaxkv.eval import (
+    RetrievalPrompt,
+    RetrievalResult,
+    plot_heatmap,
+    retrieval_accuracy,
+    retrieval_prompt,
+    score_answer,
+)
 from jaxkv.eval.retrieval import _ADJECTIVES, _NOUNS, LINE, PASSKEY_FILLER, PASSKEY_NEEDLE, TASKS
 from jaxkv.io import load_tokenizer
 from jaxkv.io.gguf_loader import load_gguf_tokenizer

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from paths import STORIES_BIN, TEXT, TOK512_MODEL
+
 from jaxkv import CacheSpec, ChatSession, JaxkvError, LayerSpecs, load_model
 from jaxkv.cli import main
 from jaxkv.decode.batch import resolve_cache

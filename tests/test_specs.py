@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paths import REPO, STORIES_BIN, TEXT, TOK512_MODEL
+
 from jaxkv import CacheSpec, JaxkvError, KVCache, LayerSpecs
 from jaxkv.cache import kv
 from jaxkv.cache.attention import attend

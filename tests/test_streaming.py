@@ -15,7 +15,8 @@ from flax import nnx
 
 from conftest import decode_loop_hlo
 from reference import RefDecoder, ref_config, ref_kwargs
-from jaxkv import CacheSpec, CacheFullError, JaxkvError, KVCache, Sampler, forward, prefill, sample
+
+from jaxkv import CacheFullError, CacheSpec, JaxkvError, KVCache, Sampler, forward, prefill, sample
 from jaxkv.cache.attention import RING_BLOCK
 from jaxkv.io import LoadedModel
 from jaxkv.testing import materialised_buffers, numpy_weights, tiny_loaded, tiny_model

@@ -11,8 +11,15 @@ from jaxkv import CacheSpec, ChatSession, JaxkvError, generate, sample
 from jaxkv.decode.batch import parse_requests, run_requests
 from jaxkv.io import Tokenizer
 from jaxkv.models.llama import Llama
-from jaxkv.testing import (TINY_CONFIG, materialised_buffers, numpy_weights, tiny_config, tiny_loaded, tiny_model,
-                           tiny_tokenizer)
+from jaxkv.testing import (
+    TINY_CONFIG,
+    materialised_buffers,
+    numpy_weights,
+    tiny_config,
+    tiny_loaded,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 SPEC = CacheSpec(sink=4, window=16)
 

@@ -6,6 +6,7 @@ import pytest
 
 import paths
 from paths import MODELS, SMOLLM2
+
 from jaxkv.errors import JaxkvError, ModelFileError
 from jaxkv.io import Tokenizer, load_gguf_tokenizer, load_tokenizer
 

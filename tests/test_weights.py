@@ -15,12 +15,13 @@ import pytest
 from flax import nnx
 
 from conftest import decode_loop_hlo
+from test_cli_ux import STORIES, cli, one_error_line
+
 from jaxkv import CacheSpec, JaxkvError, forward
 from jaxkv.decode import new_cache
 from jaxkv.models.llama import MATRICES, Llama
 from jaxkv.models.weights import QuantizedWeight, dense, embed_lookup, legacy_leaves, quantize
 from jaxkv.testing import numpy_weights, tiny_model
-from test_cli_ux import STORIES, cli, one_error_line
 
 RNG = np.random.default_rng(0)
 

@@ -22,6 +22,7 @@ from flax import nnx
 
 from paths import REPO
 from reference import RefDecoder, ref_kwargs, rms_norm, rope, silu
+
 from jaxkv import CacheSpec, KVCache, forward, memory_report, sample
 
 _spec = importlib.util.spec_from_file_location("yoco_flax", REPO / "examples" / "yoco_flax.py")

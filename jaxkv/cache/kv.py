@@ -189,7 +189,7 @@ class KVCache:
             keep=keep,
         )
 
-    def starting_at(self, position: int) -> "KVCache":
+    def starting_at(self, position: int) -> KVCache:
         """This (empty) cache with every row's stream starting at ``position``: the next token
         is at that position, as if the tokens before it had come and gone. A stream that
         starts past the sinks keeps none (sinks are positions ``< sink``). For long-stream
@@ -236,7 +236,7 @@ class KVCache:
         return sum(jnp.sum(p >= 0, axis=1) for p in self.positions()).astype(jnp.int32)
 
     # ---- the model contract: begin, attend per layer, commit ------------------------------------
-    def begin(self, n: jax.Array, chunk: int) -> tuple["KVCache", Step]:
+    def begin(self, n: jax.Array, chunk: int) -> tuple[KVCache, Step]:
         """Start a model call that appends up to ``n[b]`` of ``chunk`` (T) tokens per row.
 
         Admits what the policy allows (a full cache never overflows), moves the tokens that
@@ -286,7 +286,7 @@ class KVCache:
         :meth:`jaxkv.cache.layered.LayeredCache.runs`, whose form a model can loop over)."""
         return [(0, self.n_layers, step, self.layers())]
 
-    def commit(self, step: Step, k_new: jax.Array, v_new: jax.Array, *, mass=None, token_score=None) -> "KVCache":
+    def commit(self, step: Step, k_new: jax.Array, v_new: jax.Array, *, mass=None, token_score=None) -> KVCache:
         """Write each row's first ``step.n[b]`` new keys/values and advance its length.
 
         Args:
@@ -346,7 +346,7 @@ class KVCache:
         _deprecated("KVCache.admit")
         return self.policy.admit(self.length, n)
 
-    def prepare(self, n: jax.Array) -> "KVCache":
+    def prepare(self, n: jax.Array) -> KVCache:
         """Deprecated: :meth:`begin` flushes. The cache after the storage's lazy flush."""
         _deprecated("KVCache.prepare")
         return self.storage.flush_ring(self, n)
@@ -366,7 +366,7 @@ class KVCache:
         _deprecated("KVCache.layer_leaves", "KVCache.layers")
         return self.layers()
 
-    def append(self, k_new: jax.Array, v_new: jax.Array, n: jax.Array) -> "KVCache":
+    def append(self, k_new: jax.Array, v_new: jax.Array, n: jax.Array) -> KVCache:
         """Deprecated: :meth:`commit`. Write each row's first ``n[b]`` keys/values ``[L, B, K, T, H]``."""
         _deprecated("KVCache.append", "KVCache.commit")
         n = jnp.asarray(n, jnp.int32)

@@ -47,7 +47,7 @@ class LayeredCache:
 
     @classmethod
     def create(cls, spec: LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int,
-               devices=None) -> "LayeredCache":
+               devices=None) -> LayeredCache:
         """An empty cache of ``len(spec.specs)`` layers (``n_layers`` must match).
 
         Raises:
@@ -58,7 +58,7 @@ class LayeredCache:
                               devices=devices)
 
     @classmethod
-    def _empty(cls, spec: LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int) -> "LayeredCache":
+    def _empty(cls, spec: LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int) -> LayeredCache:
         """The empty cache of :meth:`KVCache.create` for per-layer specs (sizes and memory checked there)."""
         if n_layers != len(spec.specs):
             raise JaxkvError(f"LayerSpecs holds {len(spec.specs)} layer specs, but the model has n_layers={n_layers}")
@@ -67,7 +67,7 @@ class LayeredCache:
             for s, a, b in spec.runs
         ))
 
-    def starting_at(self, position: int) -> "LayeredCache":
+    def starting_at(self, position: int) -> LayeredCache:
         """Every run starting at ``position`` (see :meth:`KVCache.starting_at`)."""
         return self.replace(groups=tuple(g.starting_at(position) for g in self.groups))
 
@@ -92,7 +92,7 @@ class LayeredCache:
         """int32[B]: tokens held by the run that holds the most."""
         return jnp.max(jnp.stack([g.stored() for g in self.groups]), axis=0)
 
-    def begin(self, n: jax.Array, chunk: int) -> tuple["LayeredCache", LayeredStep]:
+    def begin(self, n: jax.Array, chunk: int) -> tuple[LayeredCache, LayeredStep]:
         """:meth:`KVCache.begin` for every run, with the count every run admits."""
         n = self.spec.admit(self.length, n)
         began = [g.begin(n, chunk) for g in self.groups]
@@ -103,7 +103,7 @@ class LayeredCache:
         over ``jax.tree.map(lambda a: a[i], layers)`` with that run's ``step``."""
         return [(a, b, s, g.layers()) for (_, a, b), s, g in zip(self.spec.runs, step.steps, self.groups)]
 
-    def commit(self, step: LayeredStep, k_new: jax.Array, v_new: jax.Array, *, mass=None) -> "LayeredCache":
+    def commit(self, step: LayeredStep, k_new: jax.Array, v_new: jax.Array, *, mass=None) -> LayeredCache:
         """Write the new keys/values ``[L, B, K, T, H]`` of every layer (all L, in layer order);
         ``mass``: one entry per run (see :meth:`KVCache.commit`), or None."""
         masses = [None] * len(self.groups) if mass is None else list(mass)

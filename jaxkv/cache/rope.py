@@ -51,7 +51,7 @@ class Rope:
         return 2 * len(self.inv_freq)
 
     @classmethod
-    def default(cls, theta: float, head_dim: int) -> "Rope":
+    def default(cls, theta: float, head_dim: int) -> Rope:
         """Plain RoPE: ``inv_freq[i] = theta ** (-2i / H)`` (Su et al. 2021, §3.2.2).
 
         Raises:
@@ -65,7 +65,7 @@ class Rope:
         return cls(tuple(float(x) for x in 1.0 / float(theta) ** exponent))
 
     @classmethod
-    def linear(cls, theta: float, head_dim: int, factor: float) -> "Rope":
+    def linear(cls, theta: float, head_dim: int, factor: float) -> Rope:
         """Linear position interpolation (Chen et al. 2023, arXiv 2306.15595): every
         frequency divided by ``factor`` (HF ``rope_type="linear"``; Gemma 3's global layers).
 
@@ -77,7 +77,7 @@ class Rope:
 
     @classmethod
     def llama3(cls, theta: float, head_dim: int, *, factor: float, low_freq_factor: float,
-               high_freq_factor: float, original_max_position_embeddings: int) -> "Rope":
+               high_freq_factor: float, original_max_position_embeddings: int) -> Rope:
         """Llama 3.1's frequency-dependent scaling (HF ``rope_type="llama3"``; Meta's
         ``apply_scaling``): wavelengths longer than ``original / low_freq_factor`` tokens are
         divided by ``factor``, shorter than ``original / high_freq_factor`` kept, and those in
@@ -104,7 +104,7 @@ class Rope:
         return cls(tuple(float(x) for x in np.where(medium, smoothed, scaled)), "llama3")
 
     @classmethod
-    def with_factors(cls, theta: float, head_dim: int, factors) -> "Rope":
+    def with_factors(cls, theta: float, head_dim: int, factors) -> Rope:
         """Plain RoPE with each frequency divided by ``factors[i]`` (llama.cpp's GGUF
         ``rope_freqs`` tensor, how its converter stores Llama 3.x scaling).
 

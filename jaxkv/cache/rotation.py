@@ -24,7 +24,7 @@ from jax import lax
 from jaxkv.errors import JaxkvError
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hadamard(n: int) -> np.ndarray:
     """float32[n, n]: the orthonormal Sylvester Hadamard matrix ``H_n / sqrt(n)`` (symmetric).
 

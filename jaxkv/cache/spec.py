@@ -282,7 +282,7 @@ class CacheSpec:
             return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.residual_dtype]
         return self.kv_modes[0]
 
-    def observer(self, max_len: int) -> "CacheSpec":
+    def observer(self, max_len: int) -> CacheSpec:
         """The full cache of ``max_len`` slots that SnapKV's observation pass prefills a prompt
         into (SnapKV §4.2): this spec's float window mode and positions, every token kept,
         the attention each slot receives tracked (``keep_score="h2o"``); its prompt is then
@@ -291,7 +291,7 @@ class CacheSpec:
         return CacheSpec(max_len=max_len, kv_quantize=v, k_quantize=k, positions=self.positions,
                          pre_rope_keys=self.pre_rope_keys, keep_score="h2o")
 
-    def local(self, window: int) -> "CacheSpec":
+    def local(self, window: int) -> CacheSpec:
         """This spec for a model's local attention layer over its last ``window`` tokens
         (its trained sliding window: Mistral, Gemma 2/3, Phi-3).
 
@@ -412,7 +412,7 @@ class LayerSpecs:
         return tuple(out)
 
     @property
-    def policy(self) -> "LayerSpecs":
+    def policy(self) -> LayerSpecs:
         """The joint admission and chunk plan of every layer's policy (this object)."""
         return self
 
@@ -451,7 +451,7 @@ class LayerSpecs:
 
     @classmethod
     def boosted(cls, base: CacheSpec, n_layers: int, layers, mode: str = "int8", *,
-                names: tuple[str, str] = ("LayerSpecs.boosted: layers", "LayerSpecs.boosted: mode")) -> "LayerSpecs":
+                names: tuple[str, str] = ("LayerSpecs.boosted: layers", "LayerSpecs.boosted: mode")) -> LayerSpecs:
         """``base`` on every layer but ``layers``, whose keys and values are stored in ``mode``:
         more bits for the few layers a low-bit cache hurts most (see
         :func:`jaxkv.eval.layer_sensitivity`, which finds them).

@@ -5,8 +5,15 @@ from __future__ import annotations
 import os
 import sys
 
-from jaxkv.cli.flags import (add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, boosted_spec,
-                             cache_spec_from_args, sampler_from_args)
+from jaxkv.cli.flags import (
+    add_cache_flags,
+    add_model_flags,
+    add_sampler_flags,
+    add_tokenizer_flag,
+    boosted_spec,
+    cache_spec_from_args,
+    sampler_from_args,
+)
 from jaxkv.decode import parallel
 from jaxkv.decode.batch import run_file
 from jaxkv.errors import JaxkvError, check_int

@@ -8,8 +8,17 @@ import os
 import sys
 
 from jaxkv.cache.spec import CacheSpec
-from jaxkv.cli.flags import (BOOST_MODE, add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag,
-                             boosted_spec, cache_spec_from_args, kivi_flags, sampler_from_args)
+from jaxkv.cli.flags import (
+    BOOST_MODE,
+    add_cache_flags,
+    add_model_flags,
+    add_sampler_flags,
+    add_tokenizer_flag,
+    boosted_spec,
+    cache_spec_from_args,
+    kivi_flags,
+    sampler_from_args,
+)
 from jaxkv.decode import Sampler
 from jaxkv.decode.chat import ChatSession, default_cache_spec
 from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int

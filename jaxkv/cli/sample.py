@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from jaxkv.cli.flags import (add_cache_flags, add_model_flags, add_sampler_flags, add_tokenizer_flag, boosted_spec,
-                             cache_spec_from_args, sampler_from_args)
+from jaxkv.cli.flags import (
+    add_cache_flags,
+    add_model_flags,
+    add_sampler_flags,
+    add_tokenizer_flag,
+    boosted_spec,
+    cache_spec_from_args,
+    sampler_from_args,
+)
 from jaxkv.decode import encode_prompt, sample
 from jaxkv.decode.prompt import prompt_text, stop_strings
 from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int

@@ -39,13 +39,12 @@ from flax import nnx
 
 from jaxkv.cache.memory import memory_report
 from jaxkv.cache.spec import KV_MODES, CacheSpec, lever_fields
-from jaxkv.errors import JaxkvError, check_int
-from jaxkv.io import LoadedModel, load_model
-from jaxkv.models.llama import LlamaConfig
-from jaxkv.models.llama import Llama, weight_shapes
-from jaxkv.models.weights import check_weight_format
 from jaxkv.decode import chunk_len, generate, new_cache
 from jaxkv.decode.loop import prefill_chunk
+from jaxkv.errors import JaxkvError, check_int
+from jaxkv.io import LoadedModel, load_model
+from jaxkv.models.llama import Llama, LlamaConfig, weight_shapes
+from jaxkv.models.weights import check_weight_format
 
 KIVI = {"group_size": 32, "residual": 32}
 """KIVI group size G and residual R of the benchmark's int* modes, tokens."""

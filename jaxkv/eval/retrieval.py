@@ -314,7 +314,7 @@ class RetrievalResult:
         return out
 
     @classmethod
-    def from_json(cls, data: dict) -> "RetrievalResult":
+    def from_json(cls, data: dict) -> RetrievalResult:
         """The result :meth:`to_json` wrote (e.g. ``jaxkv eval --json``'s file, loaded), to tabulate or plot again."""
         values = {f.name: data[f.name] for f in dataclasses.fields(cls)}
         values.update({name: tuple(data[name]) for name in ("cache", "lengths", "depths", "seeds", "cache_bytes")})

@@ -33,9 +33,9 @@ import jax.numpy as jnp
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.memory import MemoryReport, memory_report
 from jaxkv.cache.spec import QUANT_MODES, CacheSpec
+from jaxkv.decode import generate, plan_chunks
 from jaxkv.errors import JaxkvError
 from jaxkv.io import LoadedModel
-from jaxkv.decode import generate, plan_chunks
 
 SMOLLM2_SHAPE = dict(n_layers=30, n_kv_heads=3, head_dim=64)
 MEMORY_TOKENS = (128, 256, 512, 1024, 2048)

@@ -100,7 +100,7 @@ class Tokenizer:
     # -- constructors ------------------------------------------------------------------
 
     @classmethod
-    def from_sentencepiece(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_sentencepiece(cls, path: str | os.PathLike) -> Tokenizer:
         """From a SentencePiece ``.model`` file; BOS is added by default (Llama convention).
 
         Raises:
@@ -129,7 +129,7 @@ class Tokenizer:
         add_bos: bool,
         chat_template: str | None = None,
         name: str = "tokenizer",
-    ) -> "Tokenizer":
+    ) -> Tokenizer:
         """Wrap a Hugging Face ``tokenizers.Tokenizer`` object (read from a file or built in
         memory, as :func:`jaxkv.testing.tiny_tokenizer` does).
 
@@ -154,7 +154,7 @@ class Tokenizer:
         return cls(backend, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, chat_template=chat_template, name=name)
 
     @classmethod
-    def from_llama2c(cls, path: str | os.PathLike, *, remove_extra_whitespaces: bool = True) -> "Tokenizer":
+    def from_llama2c(cls, path: str | os.PathLike, *, remove_extra_whitespaces: bool = True) -> Tokenizer:
         """From a llama2.c ``tokenizer.bin`` (BOS 1, EOS 2, BOS added by default).
 
         ``remove_extra_whitespaces`` (SentencePiece's normalizer option; the file does not
@@ -170,7 +170,7 @@ class Tokenizer:
         return cls(_HFBackend(hf), bos_id=1, eos_id=2, add_bos=True, name=os.path.basename(os.fspath(path)))
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, name: str = "gguf") -> "Tokenizer":
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, name: str = "gguf") -> Tokenizer:
         """From the ``tokenizer.*`` keys of a GGUF file (a plain ``{key: value}`` dict).
 
         ``tokenizer.ggml.model`` "llama" is a SentencePiece BPE vocabulary (tokens with "▁",
@@ -240,7 +240,7 @@ class Tokenizer:
         """The vocabulary string of one id (e.g. "▁Once", "Ġthe", "<|im_end|>")."""
         return self._backend.id_to_token(int(token_id))
 
-    def decode_stream(self, context_ids: Sequence[int] = ()) -> "DecodeStream":
+    def decode_stream(self, context_ids: Sequence[int] = ()) -> DecodeStream:
         """An incremental decoder that continues after ``context_ids`` (e.g. the prompt)."""
         return DecodeStream(self, context_ids)
 

@@ -69,8 +69,17 @@ from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.errors import JaxkvError
 from jaxkv.models.blocks import gated_mlp, pre_norm_residual, qkv_projection, rms_norm
 from jaxkv.models.family import Family, Format
-from jaxkv.models.weights import (FLOAT_FORMATS, HEAD_FORMATS, HELD_FORMS, as_held, check_weight_format, convert, dense,
-                                  embed_lookup, tied_head)
+from jaxkv.models.weights import (
+    FLOAT_FORMATS,
+    HEAD_FORMATS,
+    HELD_FORMS,
+    as_held,
+    check_weight_format,
+    convert,
+    dense,
+    embed_lookup,
+    tied_head,
+)
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 """Hugging Face ``architectures`` that :meth:`LlamaConfig.from_hf` accepts."""
@@ -215,7 +224,7 @@ class LlamaConfig:
         return LayerSpecs(specs) if per_layer or len(set(specs)) > 1 else specs[0]
 
     @classmethod
-    def from_llama2c(cls, header, *, name: str = "llama2c") -> "LlamaConfig":
+    def from_llama2c(cls, header, *, name: str = "llama2c") -> LlamaConfig:
         """Config from the 7 int32 header of a llama2.c legacy checkpoint.
 
         ``header`` is ``(dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len)``;
@@ -239,7 +248,7 @@ class LlamaConfig:
 
     @classmethod
     def from_gguf(cls, metadata: dict, *, tie_embeddings: bool, vocab_size: int | None = None, name: str = "gguf",
-                  extra: dict | None = None) -> "LlamaConfig":
+                  extra: dict | None = None) -> LlamaConfig:
         """Config from GGUF ``llama.*`` metadata (a plain ``{key: value}`` dict): Llama 2/3.x,
         SmolLM2, TinyLlama, Mistral (llama.cpp writes them all as ``llama``).
 
@@ -257,7 +266,7 @@ class LlamaConfig:
                            sliding_window=metadata.get("llama.attention.sliding_window"))
 
     @classmethod
-    def from_hf(cls, hf: dict, *, name: str = "hf") -> "LlamaConfig":
+    def from_hf(cls, hf: dict, *, name: str = "hf") -> LlamaConfig:
         """Config from a Hugging Face ``config.json`` (a plain dict) of the Llama family.
 
         Supported: ``LlamaForCausalLM`` (Llama 2/3.x, SmolLM2, TinyLlama; ``rope_scaling``
@@ -275,7 +284,7 @@ class LlamaConfig:
         return hf_config(hf, arch=arch, family="llama", name=name, sliding_window=window)
 
     @classmethod
-    def from_preset(cls, name: str) -> "LlamaConfig":
+    def from_preset(cls, name: str) -> LlamaConfig:
         """A named preset from the repository's ``configs/`` folder (e.g. ``"smollm2-135m"``,
         ``"stories260K"``, ``"llama-tiny"``), or a path to such a JSON file.
 
@@ -423,7 +432,7 @@ class Llama(nnx.Module):
             setattr(self, name, nnx.Param(value))
 
     @classmethod
-    def from_weights(cls, config: LlamaConfig, weights: dict, *, dtype=jnp.float32, weight_format: str = "fp32") -> "Llama":
+    def from_weights(cls, config: LlamaConfig, weights: dict, *, dtype=jnp.float32, weight_format: str = "fp32") -> Llama:
         """A model holding ``weights`` (numpy arrays of the internal layout), cast to ``dtype``.
 
         The matrices are held transposed (:mod:`jaxkv.models.weights`: a
@@ -524,7 +533,7 @@ class Llama(nnx.Module):
                                  f"(a local window of {c.sliding_window} tokens on {', '.join(sorted(set(kinds[first:end])))} "
                                  "layers): make it with jaxkv.decode.new_cache(config, spec, batch), or "
                                  "KVCache.create(config.cache_spec(spec), ...)")
-            run_weights = weights if (first, end) == (0, c.n_layers) else jax.tree.map(lambda a: a[first:end], weights)
+            run_weights = weights if (first, end) == (0, c.n_layers) else jax.tree.map(lambda a: a[first:end], weights)  # noqa: B023
             body = functools.partial(layer, run_step, c.rope_for(kinds[first]))
             x, (k_run, v_run, *mass) = lax.scan(body, x, (run_weights, run_layers))
             k_new.append(k_run)

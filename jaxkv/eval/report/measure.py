@@ -33,10 +33,10 @@ import time
 import numpy as np
 
 from jaxkv.cache.spec import CacheSpec
+from jaxkv.errors import JaxkvError
 from jaxkv.eval import tables
 from jaxkv.eval.fake_quant import FakeQuantKV
 from jaxkv.eval.perplexity import perplexity, recompute_nll, teacher_forced_nll, token_nll
-from jaxkv.errors import JaxkvError
 from jaxkv.files import atomic_write
 from jaxkv.io import load_model
 
@@ -222,7 +222,7 @@ def section3(name, model, text, cfg, res, timings):
     for mode in cfg["kivi_modes"]:
         for g in cfg["groups"]:
             run(f"{mode}/G{g}", CacheSpec(max_len=t, kv_quantize=mode, group_size=g, residual=g))
-    for label, r in cache.items():
+    for r in cache.values():
         r["vs_fp32"] = r["ppl"] / cache["fp32"]["ppl"] - 1
 
     # ablation: one batched causal pass over the same rows, K (after RoPE, as the absolute-position

@@ -38,7 +38,6 @@ import pathlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.decode.loop import new_cache_bits
 from jaxkv.errors import JaxkvError

@@ -8,7 +8,6 @@ running any model.
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from jaxkv.eval.perplexity import paired_ratio, perplexity
