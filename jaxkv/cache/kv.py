@@ -158,10 +158,10 @@ class KVCache:
     @classmethod
     def _empty(cls, spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int):
         """The empty cache of :meth:`create`, sizes and memory checked there."""
-        if isinstance(spec, LayerSpecs):
-            from jaxkv.cache.layered import LayeredCache  # the layered cache is made of KVCaches
-
-            return LayeredCache._empty(spec, batch=batch, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
+        if isinstance(spec, LayerSpecs):  # a LayeredCache, made of KVCaches (registered by jaxkv.cache.layered)
+            if _per_layer_empty is None:
+                raise JaxkvError("per-layer specs need jaxkv.cache.layered imported (import jaxkv.cache does it)")
+            return _per_layer_empty(spec, batch=batch, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
         lbk = (n_layers, batch, n_kv_heads)
         storage = spec.storage
 
@@ -373,6 +373,20 @@ class KVCache:
         return self.commit(self._step(n, _query_positions(self.length, n, k_new.shape[3])), k_new, v_new)
 
 
+# The builder of the empty cache for per-layer specs (LayerSpecs -> LayeredCache._empty), set by
+# jaxkv.cache.layered when it is imported (jaxkv.cache imports it), so that the imports among kv.py,
+# layered.py and memory.py go one way only: memory -> layered -> kv.
+_per_layer_empty = None
+
+
+def register_per_layer_empty(build) -> None:
+    """Have :meth:`KVCache.create` build the cache of a :class:`LayerSpecs` spec with
+    ``build(spec, *, batch, n_layers, n_kv_heads, head_dim)`` (jaxkv.cache.layered registers
+    ``LayeredCache._empty``)."""
+    global _per_layer_empty
+    _per_layer_empty = build
+
+
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("batch", "n_layers", "n_kv_heads", "head_dim"))
 def _created(spec, *, batch, n_layers, n_kv_heads, head_dim):
     """:meth:`KVCache._empty` as one compiled program (each of its leaves made eagerly was a
@@ -390,6 +404,15 @@ def cache_bytes(spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv
     sizes = dict(batch=batch, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
     shapes = jax.eval_shape(lambda: KVCache._empty(spec, **sizes))
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'`` (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
 
 
 def physical_memory() -> int | None:
@@ -455,8 +478,6 @@ def check_fits(spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv_
     memory, where = device_memory(devices)
     if memory is None or need <= memory:
         return need
-    from jaxkv.cache.memory import format_bytes  # memory.py reports on KVCaches
-
     parts = getattr(spec, "specs", (spec,))
     bounded = [s for s in parts if s.attention_window is None]
     fits = []

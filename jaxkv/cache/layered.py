@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxkv.cache.kv import KVCache, LayerKV, Step
+from jaxkv.cache.kv import KVCache, LayerKV, Step, register_per_layer_empty
 from jaxkv.cache.spec import LayerSpecs
 from jaxkv.errors import JaxkvError
 
@@ -111,3 +111,6 @@ class LayeredCache:
             g.commit(s, k_new[a:b], v_new[a:b], mass=m)
             for (_, a, b), s, g, m in zip(self.spec.runs, step.steps, self.groups, masses)
         ))
+
+
+register_per_layer_empty(LayeredCache._empty)  # KVCache.create(LayerSpecs(...)) -> a LayeredCache

@@ -7,19 +7,10 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxkv.cache.kv import KVCache
+from jaxkv.cache.kv import KVCache, format_bytes  # format_bytes: defined in kv.py (its check_fits), exported here
 from jaxkv.cache.layered import LayeredCache
 
 GROUPS = ("sinks", "window", "slots", "residual", "codes", "scales_zeros", "keep", "bookkeeping")
-
-
-def format_bytes(n: float) -> str:
-    """``1536 -> '1.5 KiB'`` (binary units)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 @dataclasses.dataclass(frozen=True)
