@@ -24,7 +24,7 @@ API: :func:`audit_text` (a StableHLO string -> list of findings), :func:`audit_f
 (lower a function, then audit it), :func:`audit_cache_mode` and :func:`audit_all` (jaxkv's
 decode step, prefill chunk, compiled decode loop and KIVI kernels for every cache mode),
 and :func:`backend_support` (which cache modes a backend is known to run). Run
-``python -m jaxkv.eval.audit`` (or the older ``python -m jaxkv.audit``) for a table.
+``python -m jaxkv.eval.audit`` for a table.
 """
 
 from __future__ import annotations
