@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-
 from jaxkv.cache import kv
 from jaxkv.cache.memory import format_bytes
 from jaxkv.cache.spec import CacheSpec, LayerSpecs

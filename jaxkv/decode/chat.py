@@ -379,7 +379,7 @@ class ChatSession:
         max_new_tokens: int | None = None,
         chat_template: str | None = None,
         block: int = 8,
-    ) -> "ChatSession":
+    ) -> ChatSession:
         """Resume a session written by :meth:`save`, with the model it was written for.
 
         Args:

@@ -17,6 +17,7 @@ Public pieces, used by :func:`jaxkv.generate`, chat, batch decoding and perplexi
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -159,13 +160,14 @@ def count_compiles(program: str):
 
 def compile_counts() -> dict[str, int]:
     """Backend compilations so far in this process, per program: ``decode`` (the decode loop),
-    ``prefill`` (a prefill chunk), ``nll`` (a scoring chunk of :func:`jaxkv.eval.token_nll`);
-    an executable JAX's persistent compilation cache loads counts too (one event covers both).
+    ``prefill`` (a prefill chunk), ``nll`` (a scoring chunk of :func:`jaxkv.eval.token_nll`),
+    ``serve`` (any other program the serving engine's thread compiles: its decode step, insert,
+    extract, copies, eager operations); an executable JAX's persistent compilation cache loads counts too (one event covers both).
 
     Counted from JAX's own compile events, so a program that re-traces and re-compiles (a
     shape or a static argument that changes per call) shows here however it is invoked.
     """
-    return {name: _COMPILES[name] for name in ("decode", "prefill", "nll")}
+    return {name: _COMPILES[name] for name in ("decode", "prefill", "nll", "serve")}
 
 
 def _signature(args, *static) -> tuple:
@@ -275,6 +277,22 @@ def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]]
     observes = [s.policy.retention.observes_prompt for s in getattr(spec, "specs", (spec,)) if s.policy.retention]
     if any(observes) and not np.any(lengths):
         return _observed_prefill(model, cache, prompts, chunk=chunk)
+    return collections.deque(prefill_steps(model, cache, prompts, chunk=chunk), maxlen=1)[0]  # the last chunk's
+
+
+def prefill_steps(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]], *,
+                  chunk: int = PREFILL_CHUNK) -> Iterator[tuple[KVCache, jax.Array]]:
+    """:func:`prefill` one compiled chunk at a time (no SnapKV observation pass), so that a
+    caller can run other work between chunks (the serving engine decodes its other rows).
+
+    Args and raises: as :func:`prefill` (the cache is consumed; the check happens before the first chunk).
+    Yields:
+      ``(cache, logits float32[B, V])`` after each chunk: the cache as it is now (the next chunk
+      consumes it) and the logits after each row's last token appended so far (a row's final
+      value once its prompt has ended). The last pair is :func:`prefill`'s result.
+    """
+    spec = cache.spec
+    lengths = to_host(cache.length).astype(np.int64)
     counts = np.array([len(p) for p in prompts], np.int64)
     if spec.token_limit is not None and np.any(lengths + counts > spec.token_limit):
         worst = int(np.max(lengths + counts))
@@ -291,7 +309,7 @@ def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]]
             last = logits[:, 0]
         else:  # the rows whose prompt ended in this chunk
             last = jnp.where(placed((c.n > 0) & (c.remaining == c.n))[:, None], logits[:, 0], last)
-    return cache, last
+        yield cache, last
 
 
 def _observed_prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]], *, chunk: int):
@@ -371,7 +389,7 @@ class LoopState:
     limit: jax.Array = dataclasses.field(default_factory=lambda: placed(np.int32(INT32_LIMIT - 1)))
 
     @classmethod
-    def start(cls, logits, step: int = 0) -> "LoopState":
+    def start(cls, logits, step: int = 0) -> LoopState:
         """The state before the first sampled token, from ``logits: float32[B, V]`` (no limit below ``block``)."""
         batch = logits.shape[0]
         return cls(logits=logits, done=placed(np.zeros((batch,), bool)), reason=placed(np.zeros((batch,), np.int32)),

@@ -43,7 +43,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxkv.cache.kv import KVCache, check_fits
 from jaxkv.errors import JaxkvError, check_int

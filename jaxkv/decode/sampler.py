@@ -73,3 +73,41 @@ def prng_keys(seed, batch: int):
     if len(seeds) != batch or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in seeds):
         raise JaxkvError(f"seed: expected an integer or {batch} integers (one per row), got {seed!r}")
     return jnp.stack([jax.random.PRNGKey(check_int(f"seed[{i}]", s, 0, SEED_LIMIT)) for i, s in enumerate(seeds)])
+
+
+def sample_rows(logits, temperature, top_k, top_p, keys, steps):
+    """Per-row sampling with traced parameters: what :meth:`Sampler.get_next_tokens` draws for
+    each row on its own, the row's settings arrays instead of static fields, so that rows of
+    any settings share one compiled program (the serving engine's decode step).
+
+    Row ``b`` draws exactly what ``Sampler(temperature=temperature[b], top_k=..., top_p=...)``
+    draws for a one-row batch seeded ``PRNGKey(seed)`` at sampling step ``steps[b]`` (its
+    :func:`jaxkv.sample` run with that seed): the key ``split(fold_in(keys[b], steps[b]), 1)[0]``.
+
+    Args:
+      logits: float32[B, V]. temperature: float32[B], 0 = greedy. top_k: int32[B] in [1, V]
+        (V = all tokens). top_p: float32[B] in (0, 1] (1 = all). keys: uint32[B, 2], one
+        ``PRNGKey(seed)`` per row. steps: int32[B], each row's sampling step.
+    Returns:
+      int32[B] next tokens. The sort that top-k / top-p need runs only when some row uses them.
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    vocab = logits.shape[-1]
+
+    def truncated(scaled):
+        ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+        kth = jnp.take_along_axis(ordered, jnp.clip(top_k, 1, vocab)[:, None] - 1, axis=-1)
+        scaled = jnp.where((top_k < vocab)[:, None] & (scaled < kth), -jnp.inf, scaled)
+        ordered = jnp.sort(scaled, axis=-1)[:, ::-1]  # the top-k survivors, as Sampler sorts them
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+        threshold = jnp.min(jnp.where(before < top_p[:, None], ordered, jnp.inf), axis=-1, keepdims=True)
+        return jnp.where((top_p < 1)[:, None] & (scaled < threshold), -jnp.inf, scaled)
+
+    needs_sort = jnp.any((temperature > 0) & ((top_k < vocab) | (top_p < 1)))
+    scaled = lax.cond(needs_sort, truncated, lambda x: x, scaled)
+    row_keys = jax.vmap(lambda k, s: jax.random.split(jax.random.fold_in(k, s), 1)[0])(keys, steps)
+    drawn = jax.vmap(jax.random.categorical)(row_keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)

@@ -1,0 +1,14 @@
+"""Serving: the engine (a request queue, fixed decode slots, prefill -> insert -> generate
+steps, a prefix store) and, above it, a thin OpenAI-compatible ASGI app (:mod:`jaxkv.serve.app`).
+
+The engine is usable without HTTP::
+
+    from jaxkv.serve import Engine, SamplingParams
+    engine = Engine(model, jaxkv.CacheSpec(sink=4, window=252), slots=8).start()
+    print(engine.submit(ids, SamplingParams(max_tokens=32)).result().text)
+"""
+
+from jaxkv.serve.engine import Engine, EngineStopped, Event, QueueFullError, Request, SamplingParams
+from jaxkv.serve.prefix import PrefixStore
+
+__all__ = ["Engine", "EngineStopped", "Event", "PrefixStore", "QueueFullError", "Request", "SamplingParams"]
