@@ -415,7 +415,11 @@ class Engine:
                 request._emit([], "", "cancelled")
                 continue
             slot = self._rows.index(None)
-            self._rows[slot] = job = self._start(request, slot)
+            try:
+                self._rows[slot] = job = self._start(request, slot)
+            except Exception as e:
+                request._emit([], "", "error", f"{type(e).__name__}: {e}")
+                raise
             self._prefills.append(job)
 
     def _start(self, request: Request, slot: int) -> _Prefill:
@@ -459,9 +463,10 @@ class Engine:
                 except StopIteration:
                     job.done += job.segments.pop(0)
                     job.steps = None
-                    self.prefix.put(job.done, job.cache, job.logits)  # a branch point or the prompt's end
-                    if job.segments:
+                    if job.segments:  # a branch point: a copy stored, the next segment consumes the cache
+                        self.prefix.put(job.done, _copy(job.cache), job.logits)
                         continue
+                    self.prefix.put(job.done, job.cache, job.logits)  # the prompt's end (insert reads it)
             self._prefills.popleft()
             self._insert(job)
             return True
