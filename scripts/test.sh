@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Set up (once) and run the test suite. Usage: bash scripts/test.sh [pytest args]
+#   bash scripts/test.sh --quick [pytest args]: the unit tests only (not slow), in the existing
+#   .venv, no set-up: the loop while editing
 #   .venv        current jax (the full suite, real-model tests included)
 #   .venv-floor  the jax-metal stack's versions (jax 0.5.0, flax 0.10.4, chex 0.1.90), fast tests
 set -euo pipefail
@@ -30,9 +32,24 @@ llama_cpp_converter() {
 }
 
 export JAX_PLATFORMS=cpu
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  exec .venv/bin/python -m pytest -q -m "not slow" -n 2 -p no:cacheprovider "$@"
+fi
+phase_start=$(date +%s)
+phases=""
+phase() {  # $1: the phase that just ended
+  local now; now=$(date +%s)
+  phases="$phases$1: $(( now - phase_start )) s; "
+  phase_start=$now
+}
 setup .venv "torch==2.13.0" "transformers>=5.0,<6"
 llama_cpp_converter || echo "llama.cpp's converter not available: the GGUF family tests will be skipped"
 setup .venv-floor "jax==0.5.0" "jaxlib==0.5.0" "flax==0.10.4" "chex==0.1.90" "numpy<2.3"
+phase "install"
+echo "== ruff check"
+.venv/bin/ruff check .
+phase "lint"
 
 # The floor run may end with "Exception ignored in: <function _xla_gc_callback ...>" and a
 # KeyboardInterrupt: harmless, no test sends one. When pytest-xdist closes a worker (after its
@@ -42,5 +59,8 @@ setup .venv-floor "jax==0.5.0" "jaxlib==0.5.0" "flax==0.10.4" "chex==0.1.90" "nu
 # carries on. Every test has run and reported by then; the results and exit code are unaffected.
 echo "== fast tests on the jax-metal floor: $(.venv-floor/bin/python -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__)')"
 .venv-floor/bin/python -m pytest -q -m "not slow" -n 2 -p no:cacheprovider
+phase "floor tests"
 echo "== full suite on current jax: $(.venv/bin/python -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__)')"
 .venv/bin/python -m pytest -q -n 2 -p no:cacheprovider --durations=15 "$@"
+phase "full suite"
+echo "phases: $phases"
