@@ -12,10 +12,11 @@ scheduler thread that repeats one :meth:`Engine.step`:
    over many steps and never freezes the streams already decoding. A finished prompt's
    cache is stored as a prefix state and *inserted* into its row of the batched cache (one
    batch-row update of the cache pytree);
-3. *generate*: one decode step over every row: each running row samples its next token from
-   its own logits with its own settings (temperature, top-k, top-p, PRNG key: arrays, not
-   static arguments, so no request compiles anything after :meth:`Engine.warm_up`) and
-   appends it; idle rows append nothing.
+3. *generate*: one compiled call of ``block`` decode steps over every row (one step while a
+   prompt waits, so that its prefill is not held up): each running row samples its next
+   token from its own logits with its own settings (temperature, top-k, top-p, PRNG key:
+   arrays, not static arguments, so no request compiles anything after :meth:`Engine.warm_up`)
+   and appends it, until its EOS or budget; idle rows append nothing.
 
 A request leaves at EOS, a stop string, its ``max_tokens``, a full cache, or :meth:`Request.cancel`
 (a client that went away), and its slot is free at the next step. A row's tokens depend on
@@ -239,6 +240,8 @@ class Engine:
       max_queue: requests waiting for a slot at most, >= 0 (beyond: :class:`QueueFullError`).
       prefix_cache_bytes: bytes of stored prefix states at most (0 = no prefix reuse).
       prefill_chunk: tokens per compiled prefill call (capped by the spec's ``max_chunk``).
+      block: decode steps per compiled call while no prompt waits (one call's host round trip
+        shared by ``block`` tokens; a request arriving meanwhile waits for the call to end).
       mesh: a :func:`jaxkv.decode.parallel.make_mesh` mesh: slots shard over its ``data``
         axis (as ``jaxkv batch``), the parameters as :func:`~jaxkv.decode.parallel.shard_model` places them.
     Raises:
@@ -246,7 +249,8 @@ class Engine:
     """
 
     def __init__(self, model: LoadedModel, spec: CacheSpec | LayerSpecs, *, slots: int = 4, max_queue: int = 64,
-                 prefix_cache_bytes: int = 256 << 20, prefill_chunk: int = loop.PREFILL_CHUNK, mesh=None):
+                 prefix_cache_bytes: int = 256 << 20, prefill_chunk: int = loop.PREFILL_CHUNK, block: int = 4,
+                 mesh=None):
         if model.tokenizer is None:
             raise JaxkvError("Engine: the model has no tokenizer (give one with load_model(..., tokenizer=PATH))")
         self.slots = check_int("slots", slots, 1, INT32_LIMIT)
@@ -254,6 +258,7 @@ class Engine:
             raise JaxkvError(f"slots={slots}: expected a multiple of the mesh's data size {parallel.data_size(mesh)}")
         self.max_queue = check_int("max_queue", max_queue, 0, INT32_LIMIT)
         self.prefill_chunk = check_int("prefill_chunk", prefill_chunk, 1, INT32_LIMIT)
+        self.block = check_int("block", block, 1, 256)
         specs = getattr(spec, "specs", (spec,))
         if any(s.policy.retention is not None and s.policy.retention.observes_prompt for s in specs):
             raise JaxkvError("Engine: keep_score=snapkv observes each whole prompt before caching it, which chunks "
@@ -369,13 +374,14 @@ class Engine:
             self._cache, self._logits = _insert(self._cache, self._logits, _copy(row), logits, np.int32(0),
                                                 axes=self._axes)
             self._extract(0)
-            self._decode()
+            for steps in {1, self.block}:
+                self._decode(steps)
         self.ready = True
         return time.perf_counter() - t0
 
     def step(self) -> bool:
         """One scheduling step: admit queued requests into free slots, one prefill chunk, one
-        decode step over the busy rows, events delivered. Returns whether there was work."""
+        decode call over the busy rows, events delivered. Returns whether there was work."""
         self._admit()
         worked = self._prefill_one()
         if self._active.any():
@@ -489,26 +495,29 @@ class Engine:
         self._rows[slot] = _Row(request=request, stream=stream, pending=pending)
 
     def _generate(self) -> None:
-        """One decode step over the busy rows; each row's token checked and delivered."""
+        """One decode call over the busy rows: :attr:`block` steps, or one while a prompt waits
+        for its prefill (so that it starts after one step); each row's tokens checked and delivered."""
+        steps = 1 if self._queue or self._prefills else self.block
         t0 = time.perf_counter()
-        tokens = self._decode()
+        tokens = self._decode(steps)
         self.counts["decode_s"] += time.perf_counter() - t0
-        self.counts["steps"] += 1
-        limit = self.spec.token_limit
+        self.counts["steps"] += steps
         eos = self.model.tokenizer.eos_id
         for slot in np.flatnonzero(self._active):
             row = self._rows[slot]
             request, p = row.request, row.request.params
-            token = int(tokens[slot])
-            self._steps[slot] += 1
-            self.counts["completion"] += 1
-            stopped = row.stream.on_block(np.array([[token]]))
-            reason = None
-            if stopped or (token == eos and not p.ignore_eos):
-                reason = "stop"
-            elif len(request.token_ids) + 1 >= p.max_tokens or (
-                    limit is not None and len(request.prompt_ids) + len(request.token_ids) + 1 >= limit):
-                reason = "length"
+            fed = [int(t) for t in tokens[slot] if t >= 0]  # every token the row appended in this call
+            self._steps[slot] += len(fed)
+            self.counts["completion"] += len(fed)
+            new, reason = [], None
+            for token in fed:
+                new.append(token)
+                if row.stream.on_block(np.array([[token]])) or (token == eos and not p.ignore_eos):
+                    reason = "stop"  # a stop string or EOS (tokens after a stop string are dropped)
+                elif len(request.token_ids) + len(new) >= p.max_tokens:
+                    reason = "length"
+                if reason is not None:
+                    break
             if reason is None and request.cancelled.is_set():
                 reason = "cancelled"
             if reason is not None:
@@ -516,21 +525,26 @@ class Engine:
             text = "".join(row.pending)
             row.pending.clear()
             if reason is None:
-                request._emit([token], text)
+                request._emit(new, text)
                 continue
-            if reason != "cancelled":  # the state after the prompt and every token generated (all fed)
-                self.prefix.put(request.prompt_ids + request.token_ids + [token], *self._extract(slot))
+            if reason != "cancelled":  # the state after the prompt and every token the row appended
+                self.prefix.put(request.prompt_ids + request.token_ids + fed, *self._extract(slot))
             self._active[slot] = False
             self._rows[slot] = None
-            request._emit([token], text, reason)
+            request._emit(new, text, reason)
 
-    def _decode(self) -> np.ndarray:
-        """Run the decode step on every row (idle rows append nothing); int32[slots] tokens."""
-        rows = dict(rows=True)
+    def _decode(self, steps: int) -> np.ndarray:
+        """Run ``steps`` decode steps on every row (idle rows append nothing); int32[slots, steps]
+        tokens, -1 after a row's EOS or budget."""
+        remaining = np.zeros(self.slots, np.int32)
+        for slot in np.flatnonzero(self._active):
+            remaining[slot] = self._rows[slot].request.params.max_tokens - len(self._rows[slot].request.token_ids)
+        ignore_eos = np.array([isinstance(r, _Row) and r.request.params.ignore_eos for r in self._rows])
         self._cache, self._logits, tokens = _decode_step(
-            self._graphdef, self._state, self._cache, self._logits, self._placed(self._active, **rows),
-            self._placed(self._temperature, **rows), self._placed(self._top_k, **rows),
-            self._placed(self._top_p, **rows), self._placed(self._keys, **rows), self._placed(self._steps, **rows))
+            self._graphdef, self._state, self._cache, self._logits,
+            *(self._placed(x, rows=True) for x in (self._active, self._temperature, self._top_k, self._top_p,
+                                                  self._keys, self._steps, remaining, ignore_eos)),
+            steps=steps, eos_id=self.model.tokenizer.eos_id)
         return loop.to_host(tokens)
 
     def _release(self, slot: int, reason: str, error: str | None = None) -> None:
@@ -588,15 +602,29 @@ def _batch_axes(config, spec) -> tuple[int, ...]:
     return tuple(next(i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n) for a, b in zip(one, two))
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnames=("cache", "logits"))
-def _decode_step(graphdef, state, cache, logits, active, temperature, top_k, top_p, keys, steps):
-    """Sample each active row's next token from ``logits: float32[B, V]`` with its own settings
-    (:func:`~jaxkv.decode.sampler.sample_rows`) and append it; returns ``(cache, logits, tokens int32[B])``
-    (idle rows append nothing and keep their logits)."""
-    token = sample_rows(logits, temperature, top_k, top_p, keys, steps)
-    feed = active.astype(jnp.int32)
-    new, cache = forward(graphdef, state, token[:, None], feed, cache)
-    return cache, jnp.where(active[:, None], new[:, 0], logits), token
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("steps", "eos_id"),
+                   donate_argnames=("cache", "logits"))
+def _decode_step(graphdef, state, cache, logits, active, temperature, top_k, top_p, keys, step, remaining, ignore_eos,
+                 *, steps, eos_id):
+    """``steps`` decode steps over every row: each active row samples its next token from
+    ``logits: float32[B, V]`` with its own settings (:func:`~jaxkv.decode.sampler.sample_rows`,
+    at its sampling step ``step: int32[B]``) and appends it, until its ``remaining: int32[B]``
+    budget is spent or it samples ``eos_id`` (unless ``ignore_eos: bool[B]``); idle rows append
+    nothing and keep their logits. Returns ``(cache, logits, tokens int32[B, steps])``, -1 where a
+    row appended nothing."""
+
+    def one(carry, _):
+        cache, logits, active, step, remaining = carry
+        token = sample_rows(logits, temperature, top_k, top_p, keys, step)
+        new, cache = forward(graphdef, state, token[:, None], active.astype(jnp.int32), cache)
+        logits = jnp.where(active[:, None], new[:, 0], logits)
+        out = jnp.where(active, token, -1)
+        step, remaining = step + active, remaining - active
+        ended = (remaining <= 0) if eos_id is None else (remaining <= 0) | ((token == eos_id) & ~ignore_eos)
+        return (cache, logits, active & ~ended, step, remaining), out
+
+    (cache, logits, *_), tokens = jax.lax.scan(one, (cache, logits, active, step, remaining), None, length=steps)
+    return cache, logits, tokens.T
 
 
 @functools.partial(jax.jit, static_argnames=("axes",), donate_argnames=("cache", "logits"))
