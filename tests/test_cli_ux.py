@@ -72,7 +72,7 @@ def test_help_of_every_subcommand_shows_every_default():
     """Every option taking a value says its default: argparse's own (``%(default)s``, never
     shown as None) or in words; flags (``--chat``) are off unless given."""
     _, commands = _parsers()
-    assert sorted(commands) == ["batch", "bench", "chat", "eval", "info", "ppl", "sample"]
+    assert sorted(commands) == ["batch", "bench", "chat", "eval", "info", "ppl", "sample", "serve"]
     checked = 0
     for name, sub in commands.items():
         text = re.sub(r"\s+", " ", sub.format_help())  # expands every %(default)s
@@ -95,7 +95,7 @@ def test_help_of_every_subcommand_shows_every_default():
 
 
 @pytest.mark.parametrize("argv", [["sample"], ["chat"], ["ppl", "--text", "t.txt"], ["batch", "--input", "i", "--output", "o"],
-                                  ["bench"], ["info"], ["eval", "passkey"]], ids=lambda a: a[0])
+                                  ["bench"], ["info"], ["eval", "passkey"], ["serve"]], ids=lambda a: a[0])
 def test_an_unknown_flag_prints_the_subcommand_usage(capsys, argv):
     code, out, err = cli(capsys, *argv, "--bogus=7", "--tokens-per-second")
     lines = err.splitlines()

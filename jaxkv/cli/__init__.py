@@ -1,4 +1,4 @@
-"""The ``jaxkv`` command line: ``jaxkv sample | chat | ppl | eval | batch | bench | info``.
+"""The ``jaxkv`` command line: ``jaxkv sample | chat | serve | ppl | eval | batch | bench | info``.
 
 One module per subcommand (``add_parser`` + ``run``); the flags they share (cache, model,
 sampler) in :mod:`jaxkv.cli.flags`. Errors a user can cause print one line,
@@ -12,7 +12,7 @@ import os
 import sys
 
 from jaxkv import __version__
-from jaxkv.cli import batch, bench, chat, eval, info, ppl, sample
+from jaxkv.cli import batch, bench, chat, eval, info, ppl, sample, serve
 from jaxkv.cli.flags import add_cache_flags, cache_spec_from_args, check_model_flags, error_text
 from jaxkv.errors import JaxkvError
 
@@ -23,7 +23,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     parser = argparse.ArgumentParser(prog="jaxkv", description="Long-context decoding with a bounded, quantised KV cache.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (sample, chat, ppl, eval, batch, bench, info):
+    for command in (sample, chat, serve, ppl, eval, batch, bench, info):
         command.add_parser(sub)
     return parser, sub.choices
 

@@ -1,0 +1,185 @@
+"""``jaxkv serve``: an OpenAI-compatible HTTP server with continuous batching
+(:class:`jaxkv.serve.engine.Engine` under :func:`jaxkv.serve.app.create_app`, run by uvicorn).
+
+The port is bound first (a port in use is one error line, before the model loads); uvicorn
+serves at once while the engine warms up in a thread (``/health`` answers 503 until it is
+ready), and one line on stderr says when it is. SIGTERM or SIGINT: no new requests, the
+in-flight ones get ``--shutdown-timeout`` seconds, then end (finish reason ``length``), their
+streams closed with ``[DONE]``; the command exits 0. docs/SERVING.md has the details.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_tokenizer_flag, boosted_spec, cache_spec_from_args
+from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int
+from jaxkv.io import load_model
+
+API_KEY_ENV = "JAXKV_API_KEY"
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
+                       description="Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, "
+                                   "/v1/completions (streaming or not), /v1/models, /health, /metrics. "
+                                   "See docs/SERVING.md.")
+    add_model_flags(s)
+    add_tokenizer_flag(s)
+    s.add_argument("--host", default="127.0.0.1", metavar="HOST",
+                   help="address to listen on (0.0.0.0: every interface) (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000, metavar="PORT",
+                   help="TCP port to listen on; 0 = any free one (printed once ready) (default: %(default)s)")
+    s.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model id clients pass as `model` and /v1/models lists (default: the model file's "
+                        "name without its extension)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay open) "
+                        f"(default: ${API_KEY_ENV}, else none)")
+    s.add_argument("--slots", type=int, default=4, metavar="N",
+                   help="decode slots: requests generated together in one batch (default: %(default)s)")
+    s.add_argument("--max-queue", type=int, default=64, metavar="Q",
+                   help="requests waiting for a slot at most; beyond, 429 with Retry-After (default: %(default)s)")
+    s.add_argument("--prefix-cache-bytes", type=int, default=256 << 20, metavar="B",
+                   help="bytes of cached prompt prefixes (their KV states) reused by later requests; 0 = off "
+                        "(default: %(default)s, 256 MiB)")
+    s.add_argument("--max-tokens-default", type=int, default=256, metavar="N",
+                   help="tokens to generate when a request gives no max_tokens (a full cache: at most what fits) "
+                        "(default: %(default)s)")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                   help="on SIGTERM/SIGINT, seconds the requests in flight get to finish before they are cut "
+                        "short (finish reason length) (default: %(default)s)")
+    add_cache_flags(s, defaults={"max_len": "none; a full cache needs it: the tokens each slot holds"})
+    s.set_defaults(func=run)
+
+
+def _api_key(args) -> str | None:
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if key is not None and (not key.strip() or any(c.isspace() for c in key)):
+        shown = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        raise JaxkvError(f"{shown}: expected a key without spaces (got {key!r})")
+    return key
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv4 or IPv6, as the address resolves).
+
+    Raises:
+      JaxkvError: an address that does not resolve, or a port in use or not allowed.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise JaxkvError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise JaxkvError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def _uvicorn_server(uvicorn, config, on_signal):
+    """A ``uvicorn.Server`` that calls ``on_signal()`` on SIGTERM/SIGINT (the engine's shutdown
+    starts at once, so streams end before uvicorn waits for their connections) and, unlike
+    uvicorn's own, does not re-raise the signal once shut down: the command exits 0."""
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            on_signal()
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
+def run(args) -> int:
+    """``jaxkv serve``: returns the exit code (0 after SIGTERM/SIGINT; a failed warm-up raises JaxkvError: 2)."""
+    check_int("--slots", args.slots, 1, INT32_LIMIT)
+    check_int("--max-queue", args.max_queue, 0, INT32_LIMIT)
+    check_int("--port", args.port, 0, 65536)
+    check_int("--prefix-cache-bytes", args.prefix_cache_bytes, 0)
+    check_int("--max-tokens-default", args.max_tokens_default, 1, INT32_LIMIT)
+    if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
+        raise JaxkvError(f"--shutdown-timeout {args.shutdown_timeout}: expected seconds >= 0")
+    if args.model_name is not None and not args.model_name.strip():
+        raise JaxkvError("--model-name: expected a non-empty name")
+    api_key = _api_key(args)
+    if args.streaming_llm_window is None and args.max_len is None:
+        raise JaxkvError("a full cache needs --max-len N (the tokens each slot holds: prompt and reply), or serve "
+                         "with a bounded cache, --streaming-llm-window M (any prompt length)")
+    spec = cache_spec_from_args(args)
+    boosted_spec(args, spec)  # every boost flag checked before loading (the layer range once the model is known)
+    try:
+        import uvicorn
+
+        from jaxkv.serve.app import create_app
+        from jaxkv.serve.engine import Engine
+    except ImportError as e:
+        raise JaxkvError(f"jaxkv serve needs the serving packages ({e.name} is missing): "
+                         "pip install 'jaxkv[serve]'") from None
+
+    sock = _bind(args.host, args.port)
+    model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
+    spec = boosted_spec(args, spec, model.config.n_layers)
+    engine = Engine(model, spec, slots=args.slots, max_queue=args.max_queue,
+                    prefix_cache_bytes=args.prefix_cache_bytes)
+    name = args.model_name or os.path.splitext(model.config.name)[0]
+    app = create_app(engine, model_name=name, api_key=api_key, default_max_tokens=args.max_tokens_default,
+                     shutdown_timeout=args.shutdown_timeout)
+    config = uvicorn.Config(app, log_level="warning", lifespan="on",
+                            timeout_graceful_shutdown=int(math.ceil(args.shutdown_timeout)) + 5)
+    server = _uvicorn_server(uvicorn, config, app.state.shutdown.begin)
+    failed: list[BaseException] = []
+
+    def warm_up() -> None:
+        try:
+            engine.start()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread, which exits
+            failed.append(e)
+            server.should_exit = True
+            return
+        while not server.started and not server.should_exit:
+            time.sleep(0.02)
+        if server.started and not server.should_exit:
+            print(f"jaxkv serve: listening on {_url(sock)} (model {name}, {engine.slots} slots, "
+                  f"cache {engine.spec.describe()})", file=sys.stderr, flush=True)
+
+    warming = threading.Thread(target=warm_up, name="jaxkv-serve-warm-up", daemon=True)
+    warming.start()
+    server.run(sockets=[sock])
+    if failed:
+        e = failed[0]
+        raise e if isinstance(e, JaxkvError) else JaxkvError(f"the engine failed to warm up: {type(e).__name__}: {e}")
+    if warming.is_alive():  # shut down while still compiling: leave without waiting for XLA
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
