@@ -89,7 +89,9 @@ def sample_rows(logits, temperature, top_k, top_p, keys, steps):
         (V = all tokens). top_p: float32[B] in (0, 1] (1 = all). keys: uint32[B, 2], one
         ``PRNGKey(seed)`` per row. steps: int32[B], each row's sampling step.
     Returns:
-      int32[B] next tokens. The sort that top-k / top-p need runs only when some row uses them.
+      int32[B] next tokens. The draws (V random numbers a row: 16 ms for 16 rows of SmolLM2's
+      49,152 on a 2-core CPU) run only when some row samples, the sort that top-k / top-p
+      need only when some row uses them.
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -106,8 +108,10 @@ def sample_rows(logits, temperature, top_k, top_p, keys, steps):
         threshold = jnp.min(jnp.where(before < top_p[:, None], ordered, jnp.inf), axis=-1, keepdims=True)
         return jnp.where((top_p < 1)[:, None] & (scaled < threshold), -jnp.inf, scaled)
 
-    needs_sort = jnp.any((temperature > 0) & ((top_k < vocab) | (top_p < 1)))
-    scaled = lax.cond(needs_sort, truncated, lambda x: x, scaled)
-    row_keys = jax.vmap(lambda k, s: jax.random.split(jax.random.fold_in(k, s), 1)[0])(keys, steps)
-    drawn = jax.vmap(jax.random.categorical)(row_keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    def drawn(scaled):
+        needs_sort = jnp.any((temperature > 0) & ((top_k < vocab) | (top_p < 1)))
+        scaled = lax.cond(needs_sort, truncated, lambda x: x, scaled)
+        row_keys = jax.vmap(lambda k, s: jax.random.split(jax.random.fold_in(k, s), 1)[0])(keys, steps)
+        return jnp.where(temperature > 0, jax.vmap(jax.random.categorical)(row_keys, scaled).astype(jnp.int32), greedy)
+
+    return lax.cond(jnp.any(temperature > 0), drawn, lambda _: greedy, scaled)

@@ -21,7 +21,9 @@ scheduler thread that repeats one :meth:`Engine.step`:
 A request leaves at EOS, a stop string, its ``max_tokens``, a full cache, or :meth:`Request.cancel`
 (a client that went away), and its slot is free at the next step. A row's tokens depend on
 its own prompt and settings alone, never on what shares the batch: greedy output equals
-:func:`jaxkv.sample` of the same prompt and cache, sampled output with the same ``seed`` too
+:func:`jaxkv.sample` of the same prompt and cache (its token ids, and the text it streams to
+``on_text``: a completion's first piece keeps its leading space, which ``Generation.text``,
+decoded alone, drops), sampled output with the same ``seed`` too
 (:func:`jaxkv.decode.sampler.sample_rows`).
 
 Usage without HTTP::
@@ -249,7 +251,7 @@ class Engine:
     """
 
     def __init__(self, model: LoadedModel, spec: CacheSpec | LayerSpecs, *, slots: int = 4, max_queue: int = 64,
-                 prefix_cache_bytes: int = 256 << 20, prefill_chunk: int = loop.PREFILL_CHUNK, block: int = 4,
+                 prefix_cache_bytes: int = 256 << 20, prefill_chunk: int = loop.PREFILL_CHUNK, block: int = 8,
                  mesh=None):
         if model.tokenizer is None:
             raise JaxkvError("Engine: the model has no tokenizer (give one with load_model(..., tokenizer=PATH))")
@@ -374,8 +376,7 @@ class Engine:
             self._cache, self._logits = _insert(self._cache, self._logits, _copy(row), logits, np.int32(0),
                                                 axes=self._axes)
             self._extract(0)
-            for steps in {1, self.block}:
-                self._decode(steps)
+            self._decode(1)
         self.ready = True
         return time.perf_counter() - t0
 
@@ -534,8 +535,8 @@ class Engine:
             request._emit(new, text, reason)
 
     def _decode(self, steps: int) -> np.ndarray:
-        """Run ``steps`` decode steps on every row (idle rows append nothing); int32[slots, steps]
-        tokens, -1 after a row's EOS or budget."""
+        """Run ``steps`` decode steps on every row (idle rows append nothing); int32[slots, block]
+        tokens, -1 after a row's EOS or budget (and past ``steps``)."""
         remaining = np.zeros(self.slots, np.int32)
         for slot in np.flatnonzero(self._active):
             remaining[slot] = self._rows[slot].request.params.max_tokens - len(self._rows[slot].request.token_ids)
@@ -544,7 +545,7 @@ class Engine:
             self._graphdef, self._state, self._cache, self._logits,
             *(self._placed(x, rows=True) for x in (self._active, self._temperature, self._top_k, self._top_p,
                                                   self._keys, self._steps, remaining, ignore_eos)),
-            steps=steps, eos_id=self.model.tokenizer.eos_id)
+            self._placed(np.int32(steps)), block=self.block, eos_id=self.model.tokenizer.eos_id)
         return loop.to_host(tokens)
 
     def _release(self, slot: int, reason: str, error: str | None = None) -> None:
@@ -602,29 +603,42 @@ def _batch_axes(config, spec) -> tuple[int, ...]:
     return tuple(next(i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n) for a, b in zip(one, two))
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("steps", "eos_id"),
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("block", "eos_id"),
                    donate_argnames=("cache", "logits"))
 def _decode_step(graphdef, state, cache, logits, active, temperature, top_k, top_p, keys, step, remaining, ignore_eos,
-                 *, steps, eos_id):
-    """``steps`` decode steps over every row: each active row samples its next token from
+                 steps, *, block, eos_id):
+    """Up to ``steps: int32[]`` (at most ``block``) decode steps over every row, in one
+    ``lax.while_loop`` (a traced count: one program for any count), the model step under a
+    ``lax.cond`` as in :func:`jaxkv.decode.loop.decode_block` (without it, SmolLM2 int8 on a
+    2-core CPU took ~45 ms more per call, a loop of 4 steps twice the time per step): each active row samples its next token from
     ``logits: float32[B, V]`` with its own settings (:func:`~jaxkv.decode.sampler.sample_rows`,
     at its sampling step ``step: int32[B]``) and appends it, until its ``remaining: int32[B]``
     budget is spent or it samples ``eos_id`` (unless ``ignore_eos: bool[B]``); idle rows append
-    nothing and keep their logits. Returns ``(cache, logits, tokens int32[B, steps])``, -1 where a
-    row appended nothing."""
+    nothing and keep their logits. Returns ``(cache, logits, tokens int32[B, block])``, -1 where
+    a row appended nothing."""
 
-    def one(carry, _):
-        cache, logits, active, step, remaining = carry
+    def cond(carry):
+        i, _, _, active, *_ = carry
+        return (i < steps) & jnp.any(active)
+
+    def body(carry):
+        i, cache, logits, active, step, remaining, out = carry
         token = sample_rows(logits, temperature, top_k, top_p, keys, step)
-        new, cache = forward(graphdef, state, token[:, None], active.astype(jnp.int32), cache)
-        logits = jnp.where(active[:, None], new[:, 0], logits)
-        out = jnp.where(active, token, -1)
+
+        def run(cache):
+            new, cache = forward(graphdef, state, token[:, None], active.astype(jnp.int32), cache)
+            return jnp.where(active[:, None], new[:, 0], logits), cache
+
+        logits, cache = jax.lax.cond(jnp.any(active), run, lambda c: (logits, c), cache)
+        out = jax.lax.dynamic_update_slice(out, jnp.where(active, token, -1)[:, None], (jnp.int32(0), i))
         step, remaining = step + active, remaining - active
         ended = (remaining <= 0) if eos_id is None else (remaining <= 0) | ((token == eos_id) & ~ignore_eos)
-        return (cache, logits, active & ~ended, step, remaining), out
+        return i + 1, cache, logits, active & ~ended, step, remaining, out
 
-    (cache, logits, *_), tokens = jax.lax.scan(one, (cache, logits, active, step, remaining), None, length=steps)
-    return cache, logits, tokens.T
+    out = jnp.full((active.shape[0], block), -1, jnp.int32)
+    _, cache, logits, *_, out = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, logits, active, step, remaining,
+                                                                 out))
+    return cache, logits, out
 
 
 @functools.partial(jax.jit, static_argnames=("axes",), donate_argnames=("cache", "logits"))
