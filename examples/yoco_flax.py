@@ -185,7 +185,8 @@ class Yoco(nnx.Module):
         for i in range(c.n_self_layers):
             layer_cache = entry(i)
             x, k_store, v_store = self.self_layers[str(i)](
-                x, lambda q, k, v, e=layer_cache: attend(step, e, q, k, v, theta=c.rope_theta))
+                x, lambda q, k, v, e=layer_cache: attend(step, e, q, k, v, theta=c.rope_theta)
+            )
             k_stores.append(k_store)
             v_stores.append(v_store)
 
@@ -242,8 +243,9 @@ def cache_bytes(config: YocoConfig, spec: jaxkv.CacheSpec, *, batch: int = 1) ->
     """K/V bytes (all leaves except bookkeeping) of a YOCO cache versus a per-layer one."""
 
     def kv(n_layers):
-        cache = jaxkv.KVCache.create(spec, batch=batch, n_layers=n_layers, n_kv_heads=config.n_kv_heads,
-                                     head_dim=config.head_dim)
+        cache = jaxkv.KVCache.create(
+            spec, batch=batch, n_layers=n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim
+        )
         report = jaxkv.memory_report(cache)
         return report.allocated_bytes - report.allocated["bookkeeping"]
 
@@ -262,17 +264,25 @@ def main(argv=None) -> None:
     p.add_argument("--positions", default="absolute", choices=("absolute", "cache"))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    spec = jaxkv.CacheSpec(sink=args.sink, window=args.window, kv_quantize=args.kv_quantize,
-                           group_size=args.group_size, residual=args.residual, positions=args.positions)
+    spec = jaxkv.CacheSpec(
+        sink=args.sink,
+        window=args.window,
+        kv_quantize=args.kv_quantize,
+        group_size=args.group_size,
+        residual=args.residual,
+        positions=args.positions,
+    )
     model = build(seed=args.seed)
     out = jaxkv.sample(model, args.prompt, max_new_tokens=args.tokens, cache=spec)
     c = model.config
     sizes = cache_bytes(c, spec)
     print(f"generated {len(out.token_ids)} tokens ({out.finish_reason}); first ids: {out.token_ids[:16]}")
     print(out.report())
-    print(f"YOCO cache: {c.n_layers} entries for {c.n_decoder_layers} layers; K/V "
-          f"{format_bytes(sizes['yoco'])} vs {format_bytes(sizes['per_layer'])} "
-          f"per-layer ({sizes['yoco'] / sizes['per_layer']:.1%}), {spec.describe()}")
+    print(
+        f"YOCO cache: {c.n_layers} entries for {c.n_decoder_layers} layers; K/V "
+        f"{format_bytes(sizes['yoco'])} vs {format_bytes(sizes['per_layer'])} "
+        f"per-layer ({sizes['yoco'] / sizes['per_layer']:.1%}), {spec.describe()}"
+    )
 
 
 if __name__ == "__main__":

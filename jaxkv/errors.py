@@ -31,10 +31,17 @@ def int_problem(value, minimum: int, maximum: int | None = None) -> str | None:
 
     E.g. ``"expected an integer >= 1"``; the text :func:`check_int` puts after the value.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum or (
-        maximum is not None and value >= maximum
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < minimum
+        or (maximum is not None and value >= maximum)
     ):
-        return f"expected an integer in [{minimum}, {maximum})" if maximum is not None else f"expected an integer >= {minimum}"
+        return (
+            f"expected an integer in [{minimum}, {maximum})"
+            if maximum is not None
+            else f"expected an integer >= {minimum}"
+        )
     return None
 
 
@@ -73,8 +80,10 @@ def check_finite(name: str, values, error: type[JaxkvError] = JaxkvError) -> Non
         return
     bad = finite.size - np.count_nonzero(finite)
     first = [int(i) for i in np.unravel_index(np.argmin(finite), finite.shape)]
-    raise error(f"{name} holds {bad:,} non-finite value{'s' if bad > 1 else ''} (NaN or infinity) of {finite.size:,}, "
-                f"the first at index {first}")
+    raise error(
+        f"{name} holds {bad:,} non-finite value{'s' if bad > 1 else ''} (NaN or infinity) of {finite.size:,}, "
+        f"the first at index {first}"
+    )
 
 
 class CacheSpecError(JaxkvError):

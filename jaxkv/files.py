@@ -18,8 +18,9 @@ def _temporary(path: str) -> tuple[int, str]:
     return tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path))
 
 
-def check_writable(path: str | os.PathLike, flag: str | None = None, *,
-                   not_same_as: str | os.PathLike | None = None) -> None:
+def check_writable(
+    path: str | os.PathLike, flag: str | None = None, *, not_same_as: str | os.PathLike | None = None
+) -> None:
     """Check, before any work, that :func:`atomic_write` will be able to write ``path``.
 
     It does what the write will do: resolves symlinks, accepts an existing device or pipe it
@@ -40,10 +41,16 @@ def check_writable(path: str | os.PathLike, flag: str | None = None, *,
     real = os.path.realpath(path)
     if os.path.isdir(real):
         raise JaxkvError(f"{shown}: is a directory; expected a file name")
-    if not_same_as is not None and os.path.exists(real) and os.path.exists(not_same_as) \
-            and os.path.samefile(real, not_same_as):
-        raise JaxkvError(f"{shown}: is the input file {os.fspath(not_same_as)} (writing it would replace the input); "
-                         "choose another file")
+    if (
+        not_same_as is not None
+        and os.path.exists(real)
+        and os.path.exists(not_same_as)
+        and os.path.samefile(real, not_same_as)
+    ):
+        raise JaxkvError(
+            f"{shown}: is the input file {os.fspath(not_same_as)} (writing it would replace the input); "
+            "choose another file"
+        )
     if os.path.exists(real) and not os.path.isfile(real):  # a device or a pipe: written through
         if not os.access(real, os.W_OK):
             raise JaxkvError(f"{shown}: not writable")

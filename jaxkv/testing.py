@@ -46,8 +46,9 @@ __all__ = [
     "tiny_tokenizer",
 ]
 
-TINY_CONFIG = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48,
-                   rope_theta=10000.0)
+TINY_CONFIG = dict(
+    vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48, rope_theta=10000.0
+)
 """:class:`LlamaConfig` fields of the tiny model (the rest are LlamaConfig's defaults)."""
 
 TINY_CHAT_TEMPLATE = (
@@ -94,8 +95,10 @@ def numpy_weights(model: Llama) -> dict[str, np.ndarray]:
     :mod:`jaxkv.models.llama`: per-layer tensors stacked on a leading ``L`` axis, e.g.
     ``wq: [L, D, N*H]``), in the parameters' dtype (float32 for :func:`tiny_model`).
     :meth:`Llama.from_weights` takes them back."""
-    return {name: np.asarray(getattr(model, name)[...].dequantize() if name in LINEAR else getattr(model, name)[...])
-            for name in weight_shapes(model.config)}
+    return {
+        name: np.asarray(getattr(model, name)[...].dequantize() if name in LINEAR else getattr(model, name)[...])
+        for name in weight_shapes(model.config)
+    }
 
 
 def tiny_tokenizer() -> Tokenizer:
@@ -141,8 +144,9 @@ def tiny_loaded(seed: int = 0, *, tokenizer: bool = True, **overrides) -> Loaded
     model = tiny_model(seed, **overrides)
     tok = tiny_tokenizer() if tokenizer else None
     if tok is not None and tok.vocab_size != model.config.vocab_size:
-        raise JaxkvError(f"vocab_size={model.config.vocab_size!r}: the tiny tokenizer has {tok.vocab_size} ids; "
-                         "pass tokenizer=False")
+        raise JaxkvError(
+            f"vocab_size={model.config.vocab_size!r}: the tiny tokenizer has {tok.vocab_size} ids; pass tokenizer=False"
+        )
     return LoadedModel(config=model.config, model=model, tokenizer=tok)
 
 

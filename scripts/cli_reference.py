@@ -73,8 +73,10 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
         "prints the same text wrapped to the terminal.",
         "",
     ]
-    lines += [f"- [`{p.prog}`](#{p.prog.replace(' ', '-')})" + (f": {' '.join(t.split()).rstrip('.')}" if t else "")
-              for p, t in commands]
+    lines += [
+        f"- [`{p.prog}`](#{p.prog.replace(' ', '-')})" + (f": {' '.join(t.split()).rstrip('.')}" if t else "")
+        for p, t in commands
+    ]
     for p, text in commands:
         lines += ["", f"## {p.prog}", ""]
         if text:

@@ -46,7 +46,9 @@ TEXT = "Once upon a time, there was a little girl named Lily. She loved to play 
 def llama_cpp_logits(python: str, gguf: str, ids: list[int]) -> tuple[np.ndarray, dict]:
     """llama.cpp's logits of ``ids`` and its tokens of :data:`TEXT` (BOS as the file says)."""
     out = gguf + ".npy"
-    done = subprocess.run([python, "-c", LLAMA_CPP_LOGITS, gguf, out, json.dumps(ids), TEXT], capture_output=True, text=True)
+    done = subprocess.run(
+        [python, "-c", LLAMA_CPP_LOGITS, gguf, out, json.dumps(ids), TEXT], capture_output=True, text=True
+    )
     if done.returncode:
         errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "failed" in line.lower()]
         raise RuntimeError(errors[0] if errors else done.stderr.strip().splitlines()[-1])
@@ -74,8 +76,12 @@ def main(argv=None) -> int:
             reference = families.hf_logits(folder, IDS)
             gguf_model = load_model(gguf)
             hf, from_gguf = logits(load_model(folder), IDS), logits(gguf_model, IDS)
-            row = {"family": family, "hf": float(np.abs(hf - reference).max()),
-                   "gguf_vs_hf": float(np.abs(from_gguf - hf).max()), "scale": float(np.abs(reference).max())}
+            row = {
+                "family": family,
+                "hf": float(np.abs(hf - reference).max()),
+                "gguf_vs_hf": float(np.abs(from_gguf - hf).max()),
+                "scale": float(np.abs(reference).max()),
+            }
             if args.llama_cpp_python:
                 try:
                     theirs, info = llama_cpp_logits(args.llama_cpp_python, gguf, IDS)
@@ -120,9 +126,11 @@ def render(rows, llama_version, jax_version, transformers_version) -> str:
         "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['family']} | {r['scale']:.2f} | {cell(r, 'hf')} | {cell(r, 'gguf_vs_hf')} | "
-                     f"{cell(r, 'gguf_vs_llama_cpp')} | {cell(r, 'llama_cpp_vs_hf')} | "
-                     f"{ {True: 'yes', False: 'NO'}.get(r.get('tokens_equal'), 'not run')} |")
+        lines.append(
+            f"| {r['family']} | {r['scale']:.2f} | {cell(r, 'hf')} | {cell(r, 'gguf_vs_hf')} | "
+            f"{cell(r, 'gguf_vs_llama_cpp')} | {cell(r, 'llama_cpp_vs_hf')} | "
+            f"{ {True: 'yes', False: 'NO'}.get(r.get('tokens_equal'), 'not run') } |"
+        )
     lines += [f"\n{r['family']}: llama.cpp: `{r['llama_cpp_error']}`" for r in rows if "llama_cpp_error" in r]
     lines += [
         "",

@@ -40,8 +40,10 @@ def main(argv=None) -> int:
     rows = tables.memory_rows()
     greedy, seconds = {}, {}
     if not args.no_greedy:
-        models = {"stories260K": load_model(MODELS / "stories260K.bin", tokenizer=MODELS / "tok512.model"),
-                  "SmolLM2-135M": load_model(MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf")}
+        models = {
+            "stories260K": load_model(MODELS / "stories260K.bin", tokenizer=MODELS / "tok512.model"),
+            "SmolLM2-135M": load_model(MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        }
         for name, model in models.items():
             t0 = time.perf_counter()
             greedy[name] = tables.greedy_match(model, new_tokens=new_tokens)
@@ -51,25 +53,43 @@ def main(argv=None) -> int:
         slim = {name: {k: v for k, v in res.items() if k != "reference"} for name, res in greedy.items()}
         for res in slim.values():
             res["modes"] = {m: {k: v for k, v in d.items() if k != "tokens"} for m, d in res["modes"].items()}
-        print(json.dumps(dict(machine=facts, group_size=tables.GROUP_SIZE, residual=tables.RESIDUAL,
-                              shape=tables.SMOLLM2_SHAPE, memory=rows, greedy=slim, greedy_seconds=seconds,
-                              prompts=list(tables.PROMPTS)), indent=1))
+        print(
+            json.dumps(
+                dict(
+                    machine=facts,
+                    group_size=tables.GROUP_SIZE,
+                    residual=tables.RESIDUAL,
+                    shape=tables.SMOLLM2_SHAPE,
+                    memory=rows,
+                    greedy=slim,
+                    greedy_seconds=seconds,
+                    prompts=list(tables.PROMPTS),
+                ),
+                indent=1,
+            )
+        )
         return 0
-    print(f"## KV cache memory at SmolLM2-135M's shape (L=30, K=3, H=64, B=1), G={tables.GROUP_SIZE}, "
-          f"R={tables.RESIDUAL}\n")
+    print(
+        f"## KV cache memory at SmolLM2-135M's shape (L=30, K=3, H=64, B=1), G={tables.GROUP_SIZE}, "
+        f"R={tables.RESIDUAL}\n"
+    )
     print("Allocated bytes of every pytree leaf (ratio = bf16 bytes / these bytes).\n")
     print(tables.memory_markdown(rows))
     if greedy:
         print("\n## Greedy decoding vs the fp32 cache\n")
         print(tables.greedy_markdown(greedy))
-        print(f"\nWall seconds per model, {1 + len(tables.GREEDY_MODES)} generate calls, compile included: "
-              + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
+        print(
+            f"\nWall seconds per model, {1 + len(tables.GREEDY_MODES)} generate calls, compile included: "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
+        )
         print("\n| model | cache | wall s | cpu s | compile s | prefill s | decode s |")
         print("|---|---|---:|---:|---:|---:|---:|")
         for name, res in greedy.items():
             for mode, t in [("fp32", res["fp32"])] + list(res["modes"].items()):
-                print(f"| {name} | {mode} | {t['seconds']:.1f} | {t['cpu_seconds']:.1f} | {t['compile_s']:.1f} | "
-                      f"{t['prefill_s']:.2f} | {t['decode_s']:.1f} |")
+                print(
+                    f"| {name} | {mode} | {t['seconds']:.1f} | {t['cpu_seconds']:.1f} | {t['compile_s']:.1f} | "
+                    f"{t['prefill_s']:.2f} | {t['decode_s']:.1f} |"
+                )
     print("\nMachine: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
     return 0
 

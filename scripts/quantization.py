@@ -31,7 +31,10 @@ from jaxkv.eval.report.quantization import BASELINE, FULL, QUICK, QuantConfig
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DATA = pathlib.Path(os.environ.get("JAXKV_DATA", REPO.parent / "shared" / "data"))
 TEXT = DATA / "text" / "tinystories_valid_head.txt"
-MODEL_FILES = {"SmolLM2-135M": ("SmolLM2-135M-Instruct.Q4_1.gguf", None), "stories260K": ("stories260K.bin", "tok512.model")}
+MODEL_FILES = {
+    "SmolLM2-135M": ("SmolLM2-135M-Instruct.Q4_1.gguf", None),
+    "stories260K": ("stories260K.bin", "tok512.model"),
+}
 MAIN, PREFILL_MODEL, QUICK_MODEL = "SmolLM2-135M", "stories260K", "stories260K"
 
 
@@ -74,18 +77,39 @@ CONFIGS = (
     # combinations (recommended: the candidates for each budget). R = 32 in float16: at 2,048
     # tokens the residual and its 16 bits weigh 0.25 bit/element, R = 128 a whole bit.
     QuantConfig("int4-r32-res16", "combination", _kivi("int4", 32, residual_dtype="float16"), recommended=True),
-    QuantConfig("k4v2-r32-hadkv-res16", "combination", _k4v2(residual=32, hadamard="both", residual_dtype="float16"),
-                recommended=True),
-    QuantConfig("k4v2-r32-prerope-hadv-res16", "combination",
-                _k4v2(residual=32, pre_rope_keys=True, hadamard="values", residual_dtype="float16")),
-    QuantConfig("int2-r32-hadkv-res16", "combination", _kivi("int2", 32, hadamard="both", residual_dtype="float16"),
-                recommended=True),
-    QuantConfig("int2-r32-hadkv-res16-boost2", "combination", _kivi("int2", 32, hadamard="both", residual_dtype="float16"),
-                boost=TOP2, boost_quantize="int4", recommended=True),
-    QuantConfig("int2-r32-prerope-hadv-res16", "combination",
-                _kivi("int2", 32, pre_rope_keys=True, hadamard="values", residual_dtype="float16")),
-    QuantConfig("int2-g16-r32-hadkv-res16", "combination",
-                _kivi("int2", 32, 16, hadamard="both", residual_dtype="float16")),
+    QuantConfig(
+        "k4v2-r32-hadkv-res16",
+        "combination",
+        _k4v2(residual=32, hadamard="both", residual_dtype="float16"),
+        recommended=True,
+    ),
+    QuantConfig(
+        "k4v2-r32-prerope-hadv-res16",
+        "combination",
+        _k4v2(residual=32, pre_rope_keys=True, hadamard="values", residual_dtype="float16"),
+    ),
+    QuantConfig(
+        "int2-r32-hadkv-res16",
+        "combination",
+        _kivi("int2", 32, hadamard="both", residual_dtype="float16"),
+        recommended=True,
+    ),
+    QuantConfig(
+        "int2-r32-hadkv-res16-boost2",
+        "combination",
+        _kivi("int2", 32, hadamard="both", residual_dtype="float16"),
+        boost=TOP2,
+        boost_quantize="int4",
+        recommended=True,
+    ),
+    QuantConfig(
+        "int2-r32-prerope-hadv-res16",
+        "combination",
+        _kivi("int2", 32, pre_rope_keys=True, hadamard="values", residual_dtype="float16"),
+    ),
+    QuantConfig(
+        "int2-g16-r32-hadkv-res16", "combination", _kivi("int2", 32, 16, hadamard="both", residual_dtype="float16")
+    ),
 )
 
 
@@ -97,7 +121,9 @@ def flags_text(config: QuantConfig, tokens: int) -> str:
     words, unflagged = spec_flags(config.spec(max_len=tokens), shape=False)
     if config.boost is not None:  # the per-layer boost's flags (slot: see jaxkv.eval.report.quantization.boosted)
         words += ["--kv-boost-layers", ",".join(map(str, config.boost)), "--kv-boost-quantize", config.boost_quantize]
-    return " ".join(words + ([f"[no flag: {', '.join(f'{k}={v!r}' for k, v in unflagged.items())}]"] if unflagged else []))
+    return " ".join(
+        words + ([f"[no flag: {', '.join(f'{k}={v!r}' for k, v in unflagged.items())}]"] if unflagged else [])
+    )
 
 
 def select(only: str | None, quick: bool) -> tuple[list[QuantConfig], dict]:
@@ -118,19 +144,32 @@ def select(only: str | None, quick: bool) -> tuple[list[QuantConfig], dict]:
         chosen = list(CONFIGS)
     missing = {c.name: c.missing() for c in chosen if c.missing()}
     if missing and (only or not quick):
-        raise SystemExit("this jaxkv cannot build: " + "; ".join(f"{k} (needs {', '.join(v)})" for k, v in missing.items())
-                         + ": leave them out with --only, or use --quick to skip them")
+        raise SystemExit(
+            "this jaxkv cannot build: "
+            + "; ".join(f"{k} (needs {', '.join(v)})" for k, v in missing.items())
+            + ": leave them out with --only, or use --quick to skip them"
+        )
     return [c for c in chosen if c.name not in missing], missing
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK_MODEL} only, small sizes; skips the "
-                        "configs this jaxkv cannot build (writes to a temp folder unless --out is given)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK_MODEL} only, small sizes; skips the "
+        "configs this jaxkv cannot build (writes to a temp folder unless --out is given)",
+    )
     parser.add_argument("--only", metavar="NAME,NAME", help=f"measure only these configs (and {BASELINE}); see --list")
-    parser.add_argument("--tokens", type=int, metavar="N", help=f"tokens of text scored per model (default: "
-                        f"{FULL['tokens']}; --quick: {QUICK['tokens']})")
-    parser.add_argument("--sections", default="ppl,greedy,decode,prefill", help="what to measure (default: %(default)s)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        metavar="N",
+        help=f"tokens of text scored per model (default: {FULL['tokens']}; --quick: {QUICK['tokens']})",
+    )
+    parser.add_argument(
+        "--sections", default="ppl,greedy,decode,prefill", help="what to measure (default: %(default)s)"
+    )
     parser.add_argument("--out", type=pathlib.Path, help="folder for QUANTIZATION.md and results/ (default: docs)")
     parser.add_argument("--render-only", action="store_true", help="re-render from OUT/results/quantization.json")
     parser.add_argument("--no-plots", action="store_true", help="do not draw the plot (no matplotlib needed)")
@@ -138,10 +177,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for c in CONFIGS:
-            print(f"{c.name:30s} {c.kind:12s} {'rec. ' if c.recommended else '     '}"
-                  + (f"needs {', '.join(c.missing())}" if c.missing() else "available"))
+            print(
+                f"{c.name:30s} {c.kind:12s} {'rec. ' if c.recommended else '     '}"
+                + (f"needs {', '.join(c.missing())}" if c.missing() else "available")
+            )
         return 0
-    out = args.out or (pathlib.Path(tempfile.gettempdir()) / "jaxkv-quantization-quick" if args.quick else REPO / "docs")
+    out = args.out or (
+        pathlib.Path(tempfile.gettempdir()) / "jaxkv-quantization-quick" if args.quick else REPO / "docs"
+    )
     resdir = out / "results"
     resdir.mkdir(parents=True, exist_ok=True)
     json_path = resdir / "quantization.json"
@@ -171,15 +214,26 @@ def main(argv=None) -> int:
         models = {}
         for name in names:
             weights, tokenizer = MODEL_FILES[name]
-            models[name] = load_model(DATA / "models" / weights,
-                                      tokenizer=None if tokenizer is None else DATA / "models" / tokenizer)
+            models[name] = load_model(
+                DATA / "models" / weights, tokenizer=None if tokenizer is None else DATA / "models" / tokenizer
+            )
         ids = {name: encode_prefix(m, TEXT, sizes["tokens"]) for name, m in models.items()}
-        prompts = q.text_prompts(TEXT, count=sizes["greedy_prompts"], chars=sizes["greedy_chars"],
-                                 skip_chars=sizes["greedy_skip_chars"])
-        res = q.measure(models, ids, configs, sizes=sizes, prompts=prompts, flags=flags, quick=args.quick,
-                        main=MAIN if MAIN in models else names[0],
-                        prefill_model=PREFILL_MODEL if PREFILL_MODEL in models else names[0],
-                        skipped=skipped, sections=[s.strip() for s in args.sections.split(",")])
+        prompts = q.text_prompts(
+            TEXT, count=sizes["greedy_prompts"], chars=sizes["greedy_chars"], skip_chars=sizes["greedy_skip_chars"]
+        )
+        res = q.measure(
+            models,
+            ids,
+            configs,
+            sizes=sizes,
+            prompts=prompts,
+            flags=flags,
+            quick=args.quick,
+            main=MAIN if MAIN in models else names[0],
+            prefill_model=PREFILL_MODEL if PREFILL_MODEL in models else names[0],
+            skipped=skipped,
+            sections=[s.strip() for s in args.sections.split(",")],
+        )
         res = json.loads(json.dumps(to_jsonable(res)))
         atomic_write(json_path, json.dumps(res, indent=1).encode(), private=False)
     plot_name = None

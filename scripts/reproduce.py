@@ -28,14 +28,23 @@ DATA = REPO / ".." / "shared" / "data"
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run with small sizes (writes to a temp folder "
-                        "unless --out is given)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run with small sizes (writes to a temp folder unless --out is given)",
+    )
     parser.add_argument("--out", type=pathlib.Path, help="folder for RESULTS.md and results/ (default: docs)")
     parser.add_argument("--sections", default="1,2,3,4,5", help="comma-separated sections to measure (default: all)")
-    parser.add_argument("--render-only", action="store_true", help="re-render RESULTS.md and the plots from "
-                        "OUT/results/results.json without running the models")
-    parser.add_argument("--no-plots", action="store_true", help="do not draw the plots; link those already in "
-                        "OUT/results (no matplotlib needed)")
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="re-render RESULTS.md and the plots from OUT/results/results.json without running the models",
+    )
+    parser.add_argument(
+        "--no-plots",
+        action="store_true",
+        help="do not draw the plots; link those already in OUT/results (no matplotlib needed)",
+    )
     args = parser.parse_args(argv)
     out = args.out or (pathlib.Path(tempfile.gettempdir()) / "jaxkv-reproduce-quick" if args.quick else REPO / "docs")
     resdir = out / "results"

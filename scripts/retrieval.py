@@ -38,7 +38,9 @@ POLICIES = {
     "tova": CacheSpec(window=508, keep=512, keep_score="tova", **WINDOW),
     "tiered-int4": CacheSpec(window=508, keep=512 * 256 // 72, keep_quantize="int4", **WINDOW),
     "tiered-int2": CacheSpec(window=508, keep=512 * 256 // 40, keep_quantize="int2", **WINDOW),
-    "tiered-int2-hadamard": CacheSpec(window=508, keep=512 * 256 // 40, keep_quantize="int2", hadamard="both", **WINDOW),
+    "tiered-int2-hadamard": CacheSpec(
+        window=508, keep=512 * 256 // 40, keep_quantize="int2", hadamard="both", **WINDOW
+    ),
 }
 
 
@@ -54,10 +56,16 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", default="1024,2048,4096")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=8, help="rows per compiled call (depths x seeds is best a multiple)")
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="rows per compiled call (depths x seeds is best a multiple)"
+    )
     parser.add_argument("--ppl-tokens", type=int, default=4096)
-    parser.add_argument("--policies", default=",".join(POLICIES), help="the policies whose retrieval is measured ('' for none)")
-    parser.add_argument("--ppl-policies", default=",".join(POLICIES), help="the policies whose perplexity is measured ('' for none)")
+    parser.add_argument(
+        "--policies", default=",".join(POLICIES), help="the policies whose retrieval is measured ('' for none)"
+    )
+    parser.add_argument(
+        "--ppl-policies", default=",".join(POLICIES), help="the policies whose perplexity is measured ('' for none)"
+    )
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "results"))
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -70,22 +78,41 @@ def main(argv=None) -> int:
     for name in filter(None, args.ppl_policies.split(",")):
         t0 = time.perf_counter()
         spec = spec_for(name, len(text))
-        results[name] = dict(cache=spec.describe() if POLICIES[name] else "full fp16 (sized per length)",
-                             bytes=new_cache_bytes(model.config, spec_for(name, 1024), 1) if POLICIES[name] else None,
-                             ppl=perplexity(token_nll(model, text, cache=spec)), ppl_seconds=time.perf_counter() - t0)
-        print(f"{name}: ppl {results[name]['ppl']:.4f} over {len(text)} tokens, {results[name]['bytes']} bytes", flush=True)
+        results[name] = dict(
+            cache=spec.describe() if POLICIES[name] else "full fp16 (sized per length)",
+            bytes=new_cache_bytes(model.config, spec_for(name, 1024), 1) if POLICIES[name] else None,
+            ppl=perplexity(token_nll(model, text, cache=spec)),
+            ppl_seconds=time.perf_counter() - t0,
+        )
+        print(
+            f"{name}: ppl {results[name]['ppl']:.4f} over {len(text)} tokens, {results[name]['bytes']} bytes",
+            flush=True,
+        )
     for name in filter(None, args.policies.split(",")):
-        result = retrieval_accuracy(model, lambda slots, name=name: spec_for(name, slots), "passkey", lengths, depths,
-                                    args.seeds, batch=args.batch_size,
-                                    log=lambda line: print(f"  {name}: {line}", file=sys.stderr, flush=True))  # noqa: B023
+        result = retrieval_accuracy(
+            model,
+            lambda slots, name=name: spec_for(name, slots),
+            "passkey",
+            lengths,
+            depths,
+            args.seeds,
+            batch=args.batch_size,
+            log=lambda line: print(f"  {name}: {line}", file=sys.stderr, flush=True),  # noqa: B023
+        )
         entry = results.setdefault(name, {})
-        entry.update(accuracy=result.accuracy.tolist(), mean=result.accuracy.mean(axis=0).tolist(),
-                     seconds=result.seconds, retrieval=result.to_json())
+        entry.update(
+            accuracy=result.accuracy.tolist(),
+            mean=result.accuracy.mean(axis=0).tolist(),
+            seconds=result.seconds,
+            retrieval=result.to_json(),
+        )
         plot_heatmap(result, os.path.join(args.out, f"retrieval_policy_{name}.png"), title=f"passkey, {name}")
         print(f"{name}: mean accuracy per length {[round(100 * a) for a in entry['mean']]} %, {result.seconds:.0f} s")
         print(result.table(), flush=True)
     with open(os.path.join(args.out, "retrieval.json"), "w") as f:
-        json.dump(dict(lengths=lengths, depths=depths, seeds=args.seeds, ppl_tokens=len(text), policies=results), f, indent=1)
+        json.dump(
+            dict(lengths=lengths, depths=depths, seeds=args.seeds, ppl_tokens=len(text), policies=results), f, indent=1
+        )
     return 0
 
 

@@ -36,10 +36,27 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "serve", str(DATA / "models" / "stories260K.bin"),
-                               "--tokenizer", str(DATA / "models" / "tok512.model"), "--port", str(port),
-                               "--slots", "8", "--streaming-llm-sink", "4", "--streaming-llm-window", "60",
-                               *args.serve_args], stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxkv.cli",
+            "serve",
+            str(DATA / "models" / "stories260K.bin"),
+            "--tokenizer",
+            str(DATA / "models" / "tok512.model"),
+            "--port",
+            str(port),
+            "--slots",
+            "8",
+            "--streaming-llm-sink",
+            "4",
+            "--streaming-llm-window",
+            "60",
+            *args.serve_args,
+        ],
+        stderr=subprocess.DEVNULL,
+    )
 
     def rss_mib() -> int:
         with open(f"/proc/{server.pid}/status") as f:
@@ -59,8 +76,11 @@ def main() -> None:
 
         def one(i: int) -> None:
             start = i * 7 % 5000
-            r = httpx.post(f"{url}/v1/completions", timeout=120,
-                           json={"prompt": " ".join(words[start:start + 12]), "max_tokens": 16, "temperature": 0})
+            r = httpx.post(
+                f"{url}/v1/completions",
+                timeout=120,
+                json={"prompt": " ".join(words[start : start + 12]), "max_tokens": 16, "temperature": 0},
+            )
             r.raise_for_status()
 
         marks = {}
@@ -68,13 +88,19 @@ def main() -> None:
             for done in range(100, args.requests + 1, 100):
                 list(pool.map(one, range(done - 100, done)))
                 marks[done] = rss_mib()
-                prefix = next(line.split()[1] for line in httpx.get(f"{url}/metrics").text.splitlines()
-                              if line.startswith("jaxkv_prefix_cache_bytes"))
-                print(f"{done} requests: RSS {marks[done]} MiB, prefix store {float(prefix) / 2**20:.1f} MiB",
-                      flush=True)
+                prefix = next(
+                    line.split()[1]
+                    for line in httpx.get(f"{url}/metrics").text.splitlines()
+                    if line.startswith("jaxkv_prefix_cache_bytes")
+                )
+                print(
+                    f"{done} requests: RSS {marks[done]} MiB, prefix store {float(prefix) / 2**20:.1f} MiB", flush=True
+                )
         first, last = marks[200], marks[args.requests]
-        print(f"RSS after 200 requests {first} MiB, after {args.requests} {last} MiB: "
-              f"{100 * (last - first) / first:+.1f} %")
+        print(
+            f"RSS after 200 requests {first} MiB, after {args.requests} {last} MiB: "
+            f"{100 * (last - first) / first:+.1f} %"
+        )
     finally:
         server.terminate()
         server.wait(30)

@@ -47,8 +47,9 @@ setup .venv "torch==2.13.0" "transformers>=5.0,<6"
 llama_cpp_converter || echo "llama.cpp's converter not available: the GGUF family tests will be skipped"
 setup .venv-floor "jax==0.5.0" "jaxlib==0.5.0" "flax==0.10.4" "chex==0.1.90" "numpy<2.3"
 phase "install"
-echo "== ruff check"
+echo "== ruff check, ruff format --check"
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 phase "lint"
 
 # The floor run may end with "Exception ignored in: <function _xla_gc_callback ...>" and a

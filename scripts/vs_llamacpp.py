@@ -73,14 +73,20 @@ import time
 
 LLAMA_BENCH = os.environ.get("LLAMA_BENCH", "/work/tmp/llamacpp/build/bin/llama-bench")
 TESTS = ("pp512", "pp2048", "tg128@512", "tg128@4096")
-LLAMA_ARGS = {"pp512": ["-p", "512", "-n", "0"], "pp2048": ["-p", "2048", "-n", "0"],
-              "tg128@512": ["-p", "0", "-n", "128", "-d", "512"], "tg128@4096": ["-p", "0", "-n", "128", "-d", "4096"]}
+LLAMA_ARGS = {
+    "pp512": ["-p", "512", "-n", "0"],
+    "pp2048": ["-p", "2048", "-n", "0"],
+    "tg128@512": ["-p", "0", "-n", "128", "-d", "512"],
+    "tg128@4096": ["-p", "0", "-n", "128", "-d", "4096"],
+}
 
 
 def timed(argv: list[str], env=None) -> tuple[str, int]:
     """Run ``argv`` under ``/usr/bin/time``: (its stdout, peak RSS in KiB). Raises on failure."""
     with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
-        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", rss.name, *argv], capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            ["/usr/bin/time", "-f", "%M", "-o", rss.name, *argv], capture_output=True, text=True, env=env
+        )
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         return proc.stdout, int(rss.read().split()[-1])
@@ -165,11 +171,19 @@ def worker(gguf: str, weights: str, tests: list[str]) -> dict:
         else:
             depth = int(test.split("@")[1])
             spec = CacheSpec(max_len=depth + 256) if depth <= 512 else CacheSpec(sink=4, window=252)
-            for stream in ([None, STREAM_S] if depth == 512 else [None]):
+            for stream in [None, STREAM_S] if depth == 512 else [None]:
                 rates = []
                 for _ in range(2 if depth <= 512 else 1):  # decode_s excludes compiling; the best of two at 512
-                    r = generate(model, [prompt(depth)], max_new_tokens=129, cache=spec, ignore_eos=True, block=32,
-                                 stream_s=stream, on_block=(lambda out: None) if stream else None)
+                    r = generate(
+                        model,
+                        [prompt(depth)],
+                        max_new_tokens=129,
+                        cache=spec,
+                        ignore_eos=True,
+                        block=32,
+                        stream_s=stream,
+                        on_block=(lambda out: None) if stream else None,
+                    )
                     rates.append(128 / r.decode_s)
                 out[("stream " if stream else "") + test] = max(rates)
     out["weight_bytes"] = int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.model))))
@@ -178,7 +192,10 @@ def worker(gguf: str, weights: str, tests: list[str]) -> dict:
 
 def table(results: dict) -> str:
     """The markdown table of medians over rounds, jaxkv / llama.cpp ratios (TTFT: llama.cpp / jaxkv, >1 = jaxkv faster)."""
-    rows = ["| model (GGUF) | jaxkv weights | test | llama.cpp | jaxkv | ratio (jaxkv / llama.cpp) |", "|---|---|---|---:|---:|---:|"]
+    rows = [
+        "| model (GGUF) | jaxkv weights | test | llama.cpp | jaxkv | ratio (jaxkv / llama.cpp) |",
+        "|---|---|---|---:|---:|---:|",
+    ]
     for run in results["runs"]:
         med = lambda side, k: statistics.median(r[k] for r in run[side] if k in r)  # noqa: E731, B023
         lab, w = run["label"], run["weights"]
@@ -192,8 +209,10 @@ def table(results: dict) -> str:
         for k in ("TTFT compile included", "TTFT cached", "TTFT warm"):
             b = med("jaxkv", k)
             rows.append(f"| {lab} | {w} | {k} (s) | {a:.3f} | {b:.3f} | **{b / a:.2f}x** (lower is better) |")
-        for k, (a_key, b_key) in {"peak RSS (MiB)": ("peak_rss_mib", "peak_rss_mib"),
-                                  "peak RSS, one request (MiB)": ("peak_rss_mib pp512", "peak_rss_mib one request")}.items():
+        for k, (a_key, b_key) in {
+            "peak RSS (MiB)": ("peak_rss_mib", "peak_rss_mib"),
+            "peak RSS, one request (MiB)": ("peak_rss_mib pp512", "peak_rss_mib one request"),
+        }.items():
             a, b = med("llama", a_key), med("jaxkv", b_key)
             rows.append(f"| {lab} | {w} | {k} | {a:,.0f} | {b:,.0f} | **{b / a:.2f}x** (lower is better) |")
     return "\n".join(rows)
@@ -205,8 +224,12 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--reps", type=int, default=2, help="llama-bench -r (default: %(default)s)")
     p.add_argument("--tests", default=",".join(TESTS))
-    p.add_argument("--threads", default="2", metavar="N1,N2",
-                   help="llama-bench -t, each; the table takes llama.cpp's best (default: %(default)s)")
+    p.add_argument(
+        "--threads",
+        default="2",
+        metavar="N1,N2",
+        help="llama-bench -t, each; the table takes llama.cpp's best (default: %(default)s)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     tests, threads = args.tests.split(","), [int(t) for t in args.threads.split(",")]
@@ -224,13 +247,28 @@ def main(argv=None) -> None:
             run["llama"].append(llama_cache[key])
             with tempfile.TemporaryDirectory() as cache_dir:
                 run["jaxkv"].append(jaxkv_round(run["gguf"], run["weights"], tests, cache_dir))
-            print(f"round {rnd + 1}: {run['label']} {run['weights']}: llama {json.dumps(run['llama'][-1])}\n"
-                  f"  jaxkv {json.dumps(run['jaxkv'][-1])}", file=sys.stderr, flush=True)
+            print(
+                f"round {rnd + 1}: {run['label']} {run['weights']}: llama {json.dumps(run['llama'][-1])}\n"
+                f"  jaxkv {json.dumps(run['jaxkv'][-1])}",
+                file=sys.stderr,
+                flush=True,
+            )
     import jax
 
-    results = {"tests": tests, "rounds": args.rounds, "threads": threads, "runs": runs, "llama_bench": LLAMA_BENCH,
-               "machine": {"cpu": runs[0]["llama"][0]["cpu"], "cores": os.cpu_count(), "python": platform.python_version(),
-                           "jax": jax.__version__, "llama.cpp build": runs[0]["llama"][0]["build"]}}
+    results = {
+        "tests": tests,
+        "rounds": args.rounds,
+        "threads": threads,
+        "runs": runs,
+        "llama_bench": LLAMA_BENCH,
+        "machine": {
+            "cpu": runs[0]["llama"][0]["cpu"],
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "jax": jax.__version__,
+            "llama.cpp build": runs[0]["llama"][0]["build"],
+        },
+    }
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:

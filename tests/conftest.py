@@ -75,4 +75,3 @@ def decode_loop_hlo(model, spec) -> str:
 
     cache = new_cache(model.config, spec, 1)
     return lower_decode(model, cache, sampler=Sampler(), block=4, eos_id=None, max_new_tokens=5).compile().as_text()
-

@@ -24,38 +24,77 @@ import numpy as np
 from tests.paths import TOK512_MODEL
 
 TOKENIZER_MODEL = str(TOK512_MODEL)
-COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
 WINDOW = 16  # local layers' sliding window, tokens
 
 TEMPLATES = {  # each family's turn format (the families' own templates, reduced to their structure)
-    "llama3": ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-               "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
-               "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"),
-    "chatml": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
-    "gemma": ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
-              "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"),
-    "mistral": ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
-                "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"),
-    "phi3": ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"),
+    "llama3": (
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    ),
+    "chatml": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+    "gemma": (
+        "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+        "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    ),
+    "mistral": (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+        "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    ),
+    "phi3": (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    ),
 }
 
 
 def family_configs():
     """name -> (transformers config class name, kwargs, chat template key)."""
     return {
-        "llama3": ("LlamaConfig", dict(head_dim=32, rope_theta=500000.0, tie_word_embeddings=True, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32}), "llama3"),
+        "llama3": (
+            "LlamaConfig",
+            dict(
+                head_dim=32,
+                rope_theta=500000.0,
+                tie_word_embeddings=True,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                },
+            ),
+            "llama3",
+        ),
         "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True), "chatml"),
         "qwen3": ("Qwen3Config", dict(head_dim=32), "chatml"),
         "mistral": ("MistralConfig", dict(sliding_window=WINDOW), "mistral"),
         "gemma2": ("Gemma2Config", dict(head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=32), "gemma"),
-        "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=7, head_dim=32, sliding_window=WINDOW,
-                                           query_pre_attn_scalar=32, rope_scaling={"rope_type": "linear", "factor": 4.0}),
-                   "gemma"),
+        "gemma3": (
+            "Gemma3TextConfig",
+            dict(
+                num_hidden_layers=7,
+                head_dim=32,
+                sliding_window=WINDOW,
+                query_pre_attn_scalar=32,
+                rope_scaling={"rope_type": "linear", "factor": 4.0},
+            ),
+            "gemma",
+        ),
         "phi3": ("Phi3Config", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2), "phi3"),
     }
 
@@ -96,7 +135,9 @@ def build(folder: str, family: str, seed: int = 0) -> str:
     tok.chat_template = TEMPLATES[template]
     tok.save_pretrained(folder)
     tok.backend_tokenizer.save(os.path.join(folder, "tokenizer.json"))  # (save_pretrained's copy drops the vocabulary)
-    shutil.move(os.path.join(spm, "tokenizer.model"), os.path.join(folder, "tokenizer.model"))  # for llama.cpp's converter
+    shutil.move(
+        os.path.join(spm, "tokenizer.model"), os.path.join(folder, "tokenizer.model")
+    )  # for llama.cpp's converter
     os.rmdir(spm)
     return folder
 

@@ -167,10 +167,27 @@ class RefDecoder:
         quantised tier quantised as ``x @ M`` and read as ``dequantise(.) @ M.T``.
     """
 
-    def __init__(self, weights, cfg, *, sink=0, window=None, bits=None, group_size=None, residual=None,
-                 positions="absolute", rope_layout="half", scale_dtype=np.float32, residual_dtype=None,
-                 pre_rope_keys=False, hadamard=(False, False), keep=0, keep_rule="recent", keep_bits=None,
-                 keep_rotate=(False, False)):
+    def __init__(
+        self,
+        weights,
+        cfg,
+        *,
+        sink=0,
+        window=None,
+        bits=None,
+        group_size=None,
+        residual=None,
+        positions="absolute",
+        rope_layout="half",
+        scale_dtype=np.float32,
+        residual_dtype=None,
+        pre_rope_keys=False,
+        hadamard=(False, False),
+        keep=0,
+        keep_rule="recent",
+        keep_bits=None,
+        keep_rotate=(False, False),
+    ):
         self.w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
         self.cfg = cfg
         self.sink, self.window = sink, window
@@ -222,7 +239,11 @@ class RefDecoder:
             kd = quantize_dequantize(kg, kb, axis=3, scale_dtype=self.scale_dtype).reshape(L, K, R, H)
         else:  # a float side: the stored floats
             kd = k.astype(kb).astype(np.float64)
-        vd = quantize_dequantize(v, vb, axis=3, scale_dtype=self.scale_dtype) if isinstance(vb, int) else v.astype(vb).astype(np.float64)
+        vd = (
+            quantize_dequantize(v, vb, axis=3, scale_dtype=self.scale_dtype)
+            if isinstance(vb, int)
+            else v.astype(vb).astype(np.float64)
+        )
         kd, vd = (x @ m.T if rotated else x for x, rotated in zip((kd, vd), self.hadamard))
         for i, p in enumerate(positions):
             self.kq[p], self.vq[p] = kd[:, :, i], vd[:, :, i]
@@ -272,8 +293,11 @@ class RefDecoder:
             k, v = (self.kq if flushed else self.k)[p], (self.vq if flushed else self.v)[p]
             if self.keep_bits is not None:
                 m = sylvester(k.shape[-1])
-                k, v = (quantize_dequantize(x @ m if rot else x, self.keep_bits, axis=2, scale_dtype=self.scale_dtype)
-                        @ (m.T if rot else np.eye(k.shape[-1])) for x, rot in zip((k, v), self.keep_rotate))
+                k, v = (
+                    quantize_dequantize(x @ m if rot else x, self.keep_bits, axis=2, scale_dtype=self.scale_dtype)
+                    @ (m.T if rot else np.eye(k.shape[-1]))
+                    for x, rot in zip((k, v), self.keep_rotate)
+                )
             self.kt[p], self.vt[p] = self._stored(k), self._stored(v)
 
     def _rescore(self, window, mass):
@@ -306,6 +330,7 @@ class RefDecoder:
             self.k[t][l], self.v[t][l] = self._stored(k), self._stored(v)
             qpos = t if absolute else ranks[t]
             qr = rope(q, qpos, c["theta"], self.layout)
+
             # the token attends to itself as computed (jaxkv: the chunk's own keys), to the rest as stored
             def held(p, floats, quantised, tier):
                 return (tier if p in tier else quantised if p in flushed else floats)[p][l]  # noqa: B023 (called in this iteration)
@@ -346,25 +371,41 @@ class RefDecoder:
 
 def ref_config(config):
     """RefDecoder's ``cfg`` dict for a jaxkv :class:`LlamaConfig`."""
-    return dict(n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
-                theta=config.rope_theta, eps=config.norm_eps, tie=config.tie_embeddings)
+    return dict(
+        n_heads=config.n_heads,
+        n_kv_heads=config.n_kv_heads,
+        head_dim=config.head_dim,
+        theta=config.rope_theta,
+        eps=config.norm_eps,
+        tie=config.tie_embeddings,
+    )
 
 
 def ref_kwargs(spec):
     """RefDecoder keyword arguments describing a CacheSpec."""
     kw = dict(sink=spec.sink, window=spec.window, positions=spec.positions, pre_rope_keys=spec.pre_rope_keys)
     if spec.keep:
-        kw.update(keep=spec.keep, keep_rule=spec.keep_score, keep_bits=spec.retention.bits,
-                  keep_rotate=(spec.retention.rotate_keys, spec.retention.rotate_values),
-                  scale_dtype=np.dtype(spec.scale_dtype).type)
+        kw.update(
+            keep=spec.keep,
+            keep_rule=spec.keep_score,
+            keep_bits=spec.retention.bits,
+            keep_rotate=(spec.retention.rotate_keys, spec.retention.rotate_values),
+            scale_dtype=np.dtype(spec.scale_dtype).type,
+        )
     if spec.quantized:
         storage = spec.storage
         floats = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
-        kb, vb = (b if b is not None else floats[m] for b, m in zip((storage.key_bits, storage.value_bits), spec.kv_modes))
-        kw.update(bits=kb if kb == vb else (kb, vb), group_size=spec.group_size, residual=spec.residual,
-                  scale_dtype=np.dtype(spec.scale_dtype).type,
-                  residual_dtype=None if spec.residual_dtype == "float32" else NP_DTYPES[spec.residual_dtype],
-                  hadamard=(storage.rotate_keys, storage.rotate_values))
+        kb, vb = (
+            b if b is not None else floats[m] for b, m in zip((storage.key_bits, storage.value_bits), spec.kv_modes)
+        )
+        kw.update(
+            bits=kb if kb == vb else (kb, vb),
+            group_size=spec.group_size,
+            residual=spec.residual,
+            scale_dtype=np.dtype(spec.scale_dtype).type,
+            residual_dtype=None if spec.residual_dtype == "float32" else NP_DTYPES[spec.residual_dtype],
+            hadamard=(storage.rotate_keys, storage.rotate_values),
+        )
     return kw
 
 

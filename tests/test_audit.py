@@ -28,7 +28,11 @@ from jaxkv.eval import audit
 def test_every_cache_mode_is_free_of_metal_hazards(mode):
     """Greedy decode loop for every mode; the sampling rules (which do not depend on the
     cache) also with temperature/top-k/top-p for two modes, to keep the test fast."""
-    samplers = ("greedy", "temperature") if mode in (("fp32", "streaming", "absolute"), ("int4", "streaming", "cache")) else ("greedy",)
+    samplers = (
+        ("greedy", "temperature")
+        if mode in (("fp32", "streaming", "absolute"), ("int4", "streaming", "cache"))
+        else ("greedy",)
+    )
     programs = audit.audit_cache_mode(audit.mode_spec(*mode), samplers=samplers)
     expected = {"forward", "forward T=4"} | {f"_decode_block {s}" for s in samplers}
     if "int" in mode[0]:  # keys or values in KIVI codes
@@ -47,7 +51,9 @@ def test_uint32_index_is_reported():
     findings = audit.audit_function(lambda x, i: lax.dynamic_slice(x, (i,), (2,)), x, i)
     assert kinds(findings) == {"unsigned-index"} and "ui32" in findings[0] and "dynamic_slice" in findings[0]
     assert kinds(audit.audit_function(lambda x, i: x[i], x, i)) == {"unsigned-index"}
-    assert kinds(audit.audit_function(lambda x, i: lax.dynamic_update_slice(x, jnp.ones(2), (i,)), x, i)) == {"unsigned-index"}
+    assert kinds(audit.audit_function(lambda x, i: lax.dynamic_update_slice(x, jnp.ones(2), (i,)), x, i)) == {
+        "unsigned-index"
+    }
     dn = lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,))
     idx = jnp.array([[1], [2]], jnp.uint32)
     assert kinds(audit.audit_function(lambda x, i: lax.gather(x, i, dn, (1,)), x, idx)) == {"unsigned-index"}
@@ -65,7 +71,9 @@ def test_uint8_data_and_prng_uint32_are_not_index_hazards():
 def test_scatter_int4_complex_popcnt_are_reported():
     x = jnp.arange(8.0)
     assert kinds(audit.audit_function(lambda x: x.at[3].set(1.0), x)) == {"scatter"}
-    assert kinds(audit.audit_function(lambda x: (x.astype(jnp.int4) + 1).astype(jnp.int8), x.astype(jnp.int8))) == {"int4"}
+    assert kinds(audit.audit_function(lambda x: (x.astype(jnp.int4) + 1).astype(jnp.int8), x.astype(jnp.int8))) == {
+        "int4"
+    }
     assert kinds(audit.audit_function(lambda x: (x * 1j).real, x)) == {"complex"}
     assert kinds(audit.audit_function(lax.population_count, jnp.arange(8, dtype=jnp.int32))) == {"bit-count"}
 
@@ -80,8 +88,13 @@ def test_f64_is_reported_under_x64():
         print(len(found), sorted({f.split(': ')[1] for f in found}))
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr
     count, found = proc.stdout.strip().split(" ", 1)
     assert int(count) > 0 and found == "['f64']"
@@ -106,7 +119,11 @@ def test_hand_written_module():
     assert kinds(found) == {"f64", "scatter", "unsigned-index", "bit-count"}
     scatter_line = [f for f in found if "unsigned-index" in f]
     assert len(scatter_line) == 1 and "ui64" in scatter_line[0] and scatter_line[0].startswith("line 4:")
-    tame = HAND_WRITTEN.replace("f64", "f32").replace("ui64", "i32").replace("stablehlo.count_leading_zeros", "stablehlo.abs")
+    tame = (
+        HAND_WRITTEN.replace("f64", "f32")
+        .replace("ui64", "i32")
+        .replace("stablehlo.count_leading_zeros", "stablehlo.abs")
+    )
     assert kinds(audit.audit_text(tame)) == {"scatter"}  # signed indices, f32: only the scatter itself
     clean = "%0 = stablehlo.dynamic_slice %arg0, %arg1, sizes = [2] : (tensor<8xui8>, tensor<i32>) -> tensor<2xui8>"
     assert audit.audit_text(clean) == []
@@ -116,7 +133,9 @@ def test_backend_support_table():
     assert set(audit.backend_support("cpu").values()) == {"supported"}
     assert set(audit.backend_support("gpu").values()) == {"supported"}
     metal = audit.backend_support("METAL")
-    assert metal["bf16"].startswith("risky") and all(metal[m] == "supported" for m in ("fp32", "fp16", "int8", "int4", "int2"))
+    assert metal["bf16"].startswith("risky") and all(
+        metal[m] == "supported" for m in ("fp32", "fp16", "int8", "int4", "int2")
+    )
     assert audit.backend_support("mps") == metal
     assert set(audit.backend_support("weird").values()) == {"unknown"}
 

@@ -71,13 +71,17 @@ def test_sampled_row_depends_on_its_seed_not_its_batch():
     alone = run_rows(lm, [target], batch_size=1, cache=FP)[0]
     mixed = run_rows(lm, others[:2] + [target] + others[2:], batch_size=4, cache=FP)
     assert mixed[2].token_ids == alone.token_ids
-    reseeded = run_rows(lm, [Row(ids=target.ids, max_new_tokens=10, temperature=0.9, seed=99)], batch_size=1, cache=FP)[0]
+    reseeded = run_rows(lm, [Row(ids=target.ids, max_new_tokens=10, temperature=0.9, seed=99)], batch_size=1, cache=FP)[
+        0
+    ]
     assert reseeded.token_ids != alone.token_ids
 
 
 def test_plan_groups_by_temperature_sorts_by_length_and_pads_to_few_shapes():
-    rows = [Row(ids=[1] * n, max_new_tokens=1, temperature=t) for n, t in
-            [(5, 0.0), (1, 0.7), (9, 0.0), (2, 0.0), (3, 0.7), (7, 0.0), (4, 0.0)]]
+    rows = [
+        Row(ids=[1] * n, max_new_tokens=1, temperature=t)
+        for n, t in [(5, 0.0), (1, 0.7), (9, 0.0), (2, 0.0), (3, 0.7), (7, 0.0), (4, 0.0)]
+    ]
     assert plan_batches(rows, 2) == [[3, 6], [0, 5], [2], [1, 4]]
     assert [padded_batch_size(n, 16) for n in (16, 9, 5, 3, 1)] == [16, 16, 8, 4, 1]
     assert [padded_batch_size(n, 6, multiple=4) for n in (6, 3, 1)] == [8, 4, 4]
@@ -98,8 +102,10 @@ def test_batch_parallel_ring_write_equals_row_loop(chunk):
     pos = jnp.full((5, 8), -1, jnp.int32)
     p_new = jnp.arange(5 * chunk, dtype=jnp.int32).reshape(5, chunk)
     kw = dict(batch_axis=0, slot_axis=1)
-    np.testing.assert_array_equal(np.asarray(write_ring(pos, p_new, start, n, **kw, batch_parallel=True)),
-                                  np.asarray(write_ring(pos, p_new, start, n, **kw)))
+    np.testing.assert_array_equal(
+        np.asarray(write_ring(pos, p_new, start, n, **kw, batch_parallel=True)),
+        np.asarray(write_ring(pos, p_new, start, n, **kw)),
+    )
 
 
 SHARDED = textwrap.dedent(
@@ -160,13 +166,15 @@ SHARDED = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def sharded_run():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=900,
-                          cwd=REPO / "tests")
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=900, cwd=REPO / "tests"
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_sharded_runs_give_the_unsharded_tokens(sharded_run):
@@ -201,9 +209,19 @@ def test_sharded_decode_loop_moves_no_cache_between_devices(sharded_run):
 
 
 def test_parse_requests_reports_bad_lines_by_number():
-    lines = ['{"prompt": "a"}', "{not json", "", '["prompt"]', '{"prompt": 3}', '{"prompt": "b", "max_new_tokens": 0}',
-             '{"prompt": "c", "temperature": -1}', '{"prompt": "d", "seed": 1.5}', '{"text": "e"}',
-             '{"prompt": "f", "max_new_tokens": true}', '{"prompt": "g", "max_new_tokens": 4, "temperature": 0.5, "seed": 7, "id": [1]}']
+    lines = [
+        '{"prompt": "a"}',
+        "{not json",
+        "",
+        '["prompt"]',
+        '{"prompt": 3}',
+        '{"prompt": "b", "max_new_tokens": 0}',
+        '{"prompt": "c", "temperature": -1}',
+        '{"prompt": "d", "seed": 1.5}',
+        '{"text": "e"}',
+        '{"prompt": "f", "max_new_tokens": true}',
+        '{"prompt": "g", "max_new_tokens": 4, "temperature": 0.5, "seed": 7, "id": [1]}',
+    ]
     requests, errors = parse_requests(lines)
     assert [(r.index, r.line, r.prompt) for r in requests] == [(0, 1, "a"), (9, 11, "g")]
     assert (requests[1].max_new_tokens, requests[1].temperature, requests[1].seed, requests[1].id) == (4, 0.5, 7, [1])
@@ -215,20 +233,41 @@ def test_parse_requests_reports_bad_lines_by_number():
 
 
 STORIES = [str(STORIES_BIN), "--tokenizer", str(TOK512_MODEL)]
-PROMPTS = ["Once upon a time, there was a little dog named Max who loved to run in the park", "Lily", "The sun",
-           "One day, a big bear"]
+PROMPTS = [
+    "Once upon a time, there was a little dog named Max who loved to run in the park",
+    "Lily",
+    "The sun",
+    "One day, a big bear",
+]
 
 
 def test_jsonl_input_order_malformed_line_skipped_atomic_output(tmp_path, capsys):
     src = tmp_path / "prompts.jsonl"
-    lines = [json.dumps({"prompt": PROMPTS[0], "id": "a"}), json.dumps({"prompt": PROMPTS[1], "max_new_tokens": 5}),
-             '{"prompt": "broken", ', json.dumps({"prompt": PROMPTS[2], "temperature": 0.8, "seed": 11}),
-             json.dumps({"prompt": PROMPTS[3], "max_new_tokens": 7})]
+    lines = [
+        json.dumps({"prompt": PROMPTS[0], "id": "a"}),
+        json.dumps({"prompt": PROMPTS[1], "max_new_tokens": 5}),
+        '{"prompt": "broken", ',
+        json.dumps({"prompt": PROMPTS[2], "temperature": 0.8, "seed": 11}),
+        json.dumps({"prompt": PROMPTS[3], "max_new_tokens": 7}),
+    ]
     src.write_text("\n".join(lines) + "\n")
     dst = tmp_path / "results.jsonl"
     dst.write_text("old results\n")
-    code = main(["batch", *STORIES, "--input", str(src), "--output", str(dst), "--batch-size", "2", "--tokens", "12",
-                 "--no-progress"])
+    code = main(
+        [
+            "batch",
+            *STORIES,
+            "--input",
+            str(src),
+            "--output",
+            str(dst),
+            "--batch-size",
+            "2",
+            "--tokens",
+            "12",
+            "--no-progress",
+        ]
+    )
     _, err = capsys.readouterr()
     assert code == 0, err
     assert f"{src}: line 3: invalid JSON" in err and "(skipped)" in err
@@ -264,11 +303,28 @@ def test_failed_write_leaves_the_old_output_intact(tmp_path):
 
 def test_prompt_longer_than_a_fixed_full_cache_is_skipped_by_line(tmp_path, capsys):
     src = tmp_path / "p.jsonl"
-    src.write_text(json.dumps({"prompt": "Once upon a time there was a big dog who liked to play"}) + "\n"
-                   + json.dumps({"prompt": "Hi"}) + "\n")
+    src.write_text(
+        json.dumps({"prompt": "Once upon a time there was a big dog who liked to play"})
+        + "\n"
+        + json.dumps({"prompt": "Hi"})
+        + "\n"
+    )
     dst = tmp_path / "r.jsonl"
-    code = main(["batch", *STORIES, "--input", str(src), "--output", str(dst), "--max-len", "8", "--tokens", "3",
-                 "--no-progress"])
+    code = main(
+        [
+            "batch",
+            *STORIES,
+            "--input",
+            str(src),
+            "--output",
+            str(dst),
+            "--max-len",
+            "8",
+            "--tokens",
+            "3",
+            "--no-progress",
+        ]
+    )
     _, err = capsys.readouterr()
     assert code == 0, err
     assert "line 1: prompt of" in err and "max_len=8" in err
@@ -276,12 +332,18 @@ def test_prompt_longer_than_a_fixed_full_cache_is_skipped_by_line(tmp_path, caps
     assert [r["line"] for r in out] == [2]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--batch-size", "0"], "--batch-size 0"),
-    (["--shard", "model"], "--shard 'model'"),
-    (["--temperature", "-1"], "temperature=-1.0"),
-    (["--streaming-llm-window", "60", "--kv-quantize", "int4", "--kv-group-size", "32"], "--streaming-llm-window 60 is not"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch-size", "0"], "--batch-size 0"),
+        (["--shard", "model"], "--shard 'model'"),
+        (["--temperature", "-1"], "temperature=-1.0"),
+        (
+            ["--streaming-llm-window", "60", "--kv-quantize", "int4", "--kv-group-size", "32"],
+            "--streaming-llm-window 60 is not",
+        ),
+    ],
+)
 def test_bad_batch_flags_one_line_exit_2(tmp_path, capsys, argv, message):
     src = tmp_path / "p.jsonl"
     src.write_text('{"prompt": "x"}\n')
@@ -296,7 +358,9 @@ def test_no_valid_rows_and_missing_input_are_errors(tmp_path, capsys):
     assert main(["batch", *STORIES, "--input", str(src), "--output", str(tmp_path / "r.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "line 1: invalid JSON" in err and "no valid rows" in err
-    assert main(["batch", *STORIES, "--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "r.jsonl")]) == 2
+    assert (
+        main(["batch", *STORIES, "--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "r.jsonl")]) == 2
+    )
     assert "no such input file" in capsys.readouterr().err
     assert not (tmp_path / "r.jsonl").exists()
 
@@ -312,20 +376,46 @@ def test_two_processes_on_one_global_mesh_write_the_one_process_results(tmp_path
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "batch", *STORIES, *common, "--output",
-                               str(tmp_path / "two.jsonl"), "--shard", "data", "--coordinator", f"localhost:{port}",
-                               "--num-processes", "2", "--process-id", str(i)],
-                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)
+    )
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jaxkv.cli",
+                "batch",
+                *STORIES,
+                *common,
+                "--output",
+                str(tmp_path / "two.jsonl"),
+                "--shard",
+                "data",
+                "--coordinator",
+                f"localhost:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][1][-3000:] + logs[1][1][-3000:]
     assert "mesh data=4 x kv=1 over 4 cpu devices on 2 processes" in logs[0][1]
     assert "wrote" not in logs[1][1]  # only process 0 reports and writes
     one = [json.loads(ln) for ln in (tmp_path / "one.jsonl").read_text().splitlines()]
     two = [json.loads(ln) for ln in (tmp_path / "two.jsonl").read_text().splitlines()]
-    assert [(r["index"], r["token_ids"], r["text"]) for r in two] == [(r["index"], r["token_ids"], r["text"]) for r in one]
+    assert [(r["index"], r["token_ids"], r["text"]) for r in two] == [
+        (r["index"], r["token_ids"], r["text"]) for r in one
+    ]
 
 
 def test_row_seeds_make_one_key_per_row_and_a_wrong_count_is_refused():
@@ -342,9 +432,16 @@ def test_row_seeds_make_one_key_per_row_and_a_wrong_count_is_refused():
 # ---- one bad row never kills a run --------------------------------------------------------------
 def test_parse_requests_skips_rows_no_tokenizer_or_writer_could_take():
     deep = "[" * 100_000 + "]" * 100_000
-    lines = [b'{"prompt": "a"}', b'{"prompt": "\\ud800 x"}', b'{"prompt": "b", "id": "ok\\udfff"}',
-             b'{"prompt": "c", "id": ' + deep.encode() + b"}", b'{"prompt": "caf\xe9"}', b"  ",
-             b'{"prompt": "d", "seed": ' + b"1" * 5000 + b"}", '{"prompt": "e\u2028f", "id": "\u00e9"}'.encode()]
+    lines = [
+        b'{"prompt": "a"}',
+        b'{"prompt": "\\ud800 x"}',
+        b'{"prompt": "b", "id": "ok\\udfff"}',
+        b'{"prompt": "c", "id": ' + deep.encode() + b"}",
+        b'{"prompt": "caf\xe9"}',
+        b"  ",
+        b'{"prompt": "d", "seed": ' + b"1" * 5000 + b"}",
+        '{"prompt": "e\u2028f", "id": "\u00e9"}'.encode(),
+    ]
     requests, errors = parse_requests(lines)
     assert [(r.index, r.line, r.prompt, r.id) for r in requests] == [(0, 1, "a", None), (6, 8, "e\u2028f", "\u00e9")]
     assert [str(e) for e in errors] == [
@@ -374,31 +471,52 @@ FIT_SLOTS = 6400
 def test_bad_rows_are_skipped_by_line_and_the_good_rows_written(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(kv, "device_memory", lambda devices=None: (FREE, "cpu"))
     src = tmp_path / "p.jsonl"
-    src.write_bytes(b"\n".join([
-        json.dumps({"prompt": "Lily", "id": "a"}).encode(),
-        b'{"prompt": "\\ud800"}',
-        b'{"prompt": "Lily", "id": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-        json.dumps({"prompt": "The sun", "max_new_tokens": 1_000_000_000}).encode(),
-        b'{"prompt": "caf\xe9"}',
-        json.dumps({"prompt": "One day\u2028a big bear", "id": 7}, ensure_ascii=False).encode(),
-        json.dumps({"prompt": "The sun", "max_new_tokens": 2**31}).encode(),
-        json.dumps({"prompt": "The sun", "max_new_tokens": FIT_SLOTS - 4 + 1}).encode(),  # "The sun" is 4 tokens
-    ]) + b"\n")
+    src.write_bytes(
+        b"\n".join(
+            [
+                json.dumps({"prompt": "Lily", "id": "a"}).encode(),
+                b'{"prompt": "\\ud800"}',
+                b'{"prompt": "Lily", "id": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                json.dumps({"prompt": "The sun", "max_new_tokens": 1_000_000_000}).encode(),
+                b'{"prompt": "caf\xe9"}',
+                json.dumps({"prompt": "One day\u2028a big bear", "id": 7}, ensure_ascii=False).encode(),
+                json.dumps({"prompt": "The sun", "max_new_tokens": 2**31}).encode(),
+                json.dumps(
+                    {"prompt": "The sun", "max_new_tokens": FIT_SLOTS - 4 + 1}
+                ).encode(),  # "The sun" is 4 tokens
+            ]
+        )
+        + b"\n"
+    )
     dst = tmp_path / "r.jsonl"
     code = main(["batch", *STORIES, "--input", str(src), "--output", str(dst), "--tokens", "6", "--no-progress"])
     err = capsys.readouterr().err.splitlines()
     assert code == 0, err
     needs = "after a prompt of 4 tokens needs a cache of full {slots}, fp32, positions=absolute: {size} for a batch of 8 rows"
     fits = f"more than the 64.00 MiB of memory: at most max_new_tokens={FIT_SLOTS - 4} fits (or use fewer rows per batch, or a StreamingLLM window)"
-    assert [line for line in err if line.startswith(str(src))] == [f"{src}: line {n}: {why} (skipped)" for n, why in [
-        (2, "\"prompt\" holds a lone surrogate '\\ud800' at character 0: not valid Unicode text"),
-        (3, "invalid JSON (nested too deeply for Python's parser)"),
-        (5, "not UTF-8 text (byte 0xe9 at byte 16)"),
-        (4, "max_new_tokens=1000000000 " + needs.format(slots=1_000_000_256, size="9566.55 GiB") + ", " + fits),
-        (7, ("max_new_tokens=2147483648 after a prompt of 4 tokens passes the last int32 position 2**31 - 1: "
-             "at most max_new_tokens=2147483643")),
-        (8, f"max_new_tokens={FIT_SLOTS - 3} " + needs.format(slots=FIT_SLOTS + 256, size="65.20 MiB") + ", " + fits),
-    ]]
+    assert [line for line in err if line.startswith(str(src))] == [
+        f"{src}: line {n}: {why} (skipped)"
+        for n, why in [
+            (2, "\"prompt\" holds a lone surrogate '\\ud800' at character 0: not valid Unicode text"),
+            (3, "invalid JSON (nested too deeply for Python's parser)"),
+            (5, "not UTF-8 text (byte 0xe9 at byte 16)"),
+            (4, "max_new_tokens=1000000000 " + needs.format(slots=1_000_000_256, size="9566.55 GiB") + ", " + fits),
+            (
+                7,
+                (
+                    "max_new_tokens=2147483648 after a prompt of 4 tokens passes the last int32 position 2**31 - 1: "
+                    "at most max_new_tokens=2147483643"
+                ),
+            ),
+            (
+                8,
+                f"max_new_tokens={FIT_SLOTS - 3} "
+                + needs.format(slots=FIT_SLOTS + 256, size="65.20 MiB")
+                + ", "
+                + fits,
+            ),
+        ]
+    ]
     assert err[-1].startswith(f"[wrote 2 results to {dst}; 6 lines skipped; 2 rows in 1 batches;")
     out = [json.loads(ln) for ln in dst.read_text().splitlines()]
     assert [(r["index"], r["line"], r["id"]) for r in out] == [(0, 1, "a"), (5, 6, 7)]
@@ -412,10 +530,17 @@ def test_run_rows_checks_each_row_before_any_allocation(monkeypatch):
     the others decode as they would alone. The largest budget the message offers does fit."""
     monkeypatch.setattr(kv, "device_memory", lambda devices=None: (FREE, "cpu"))
     lm = tiny_loaded(tokenizer=False)
-    rows = [Row(ids=prompt(7, 1), max_new_tokens=5), Row(ids=prompt(3, 2), max_new_tokens=10**9),
-            Row(ids=[1, 70_000], max_new_tokens=2), Row(ids=prompt(4, 3), max_new_tokens=3)]
-    with pytest.raises(JaxkvError, match=r"^max_new_tokens=1000000000 after a prompt of 3 tokens needs a cache of full "
-                                         r"1000000256, .* at most max_new_tokens=(\d+) fits"):
+    rows = [
+        Row(ids=prompt(7, 1), max_new_tokens=5),
+        Row(ids=prompt(3, 2), max_new_tokens=10**9),
+        Row(ids=[1, 70_000], max_new_tokens=2),
+        Row(ids=prompt(4, 3), max_new_tokens=3),
+    ]
+    with pytest.raises(
+        JaxkvError,
+        match=r"^max_new_tokens=1000000000 after a prompt of 3 tokens needs a cache of full "
+        r"1000000256, .* at most max_new_tokens=(\d+) fits",
+    ):
         run_rows(lm, rows, batch_size=2)
     refused = []
     out = run_rows(lm, rows, batch_size=2, on_error=lambda i, e: refused.append((i, str(e))))
@@ -446,7 +571,9 @@ def test_no_decodable_row_is_an_error_and_writes_nothing(tmp_path, capsys):
     dst = tmp_path / "r.jsonl"
     code = main(["batch", *STORIES, "--input", str(src), "--output", str(dst), "--max-len", "4", "--no-progress"])
     err = capsys.readouterr().err
-    assert code == 2 and err.splitlines()[-1] == f"jaxkv: error: {src}: no row could be decoded (1 malformed, 1 skipped)"
+    assert (
+        code == 2 and err.splitlines()[-1] == f"jaxkv: error: {src}: no row could be decoded (1 malformed, 1 skipped)"
+    )
     assert "Traceback" not in err and sorted(os.listdir(tmp_path)) == ["p.jsonl"]
 
 
@@ -464,7 +591,9 @@ def test_output_through_a_symlink_and_onto_devices(tmp_path, capsys):
     assert main([*common, "--output", "/dev/null"]) == 0, capsys.readouterr().err
     assert main([*common, "--output", "/dev/full"]) == 2
     err = capsys.readouterr().err
-    assert err.splitlines()[-1] == "jaxkv: error: /dev/full: cannot write the results ([Errno 28] No space left on device)"
+    assert (
+        err.splitlines()[-1] == "jaxkv: error: /dev/full: cannot write the results ([Errno 28] No space left on device)"
+    )
     for device in ("/dev/null", "/dev/full"):
         assert stat.S_ISCHR(os.stat(device).st_mode)
     assert sorted(os.listdir(tmp_path)) == ["link.jsonl", "p.jsonl", "target.jsonl"]

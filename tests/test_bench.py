@@ -34,8 +34,24 @@ def bench(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "bench.json"
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
-        code = main(["bench", SYNTHETIC, "--modes", ",".join(SPECS), "--lengths", ",".join(map(str, LENGTHS)),
-                     "--block", "16", "--repeat", "2", "--prompt-tokens", str(PROMPT), "--json", str(path)])
+        code = main(
+            [
+                "bench",
+                SYNTHETIC,
+                "--modes",
+                ",".join(SPECS),
+                "--lengths",
+                ",".join(map(str, LENGTHS)),
+                "--block",
+                "16",
+                "--repeat",
+                "2",
+                "--prompt-tokens",
+                str(PROMPT),
+                "--json",
+                str(path),
+            ]
+        )
     return code, stdout.getvalue(), json.loads(path.read_text())
 
 
@@ -64,7 +80,9 @@ def test_bench_cache_bytes_match_memory_report(bench):
     stored = {"full": 135, "sink2+30": 32, "sink2+32:int4": 2 + 32 + 5}
     for run in results["runs"]:
         spec = SPECS[run["mode"]]
-        fresh = KVCache.create(spec, batch=1, n_layers=CONFIG.n_layers, n_kv_heads=CONFIG.n_kv_heads, head_dim=CONFIG.head_dim)
+        fresh = KVCache.create(
+            spec, batch=1, n_layers=CONFIG.n_layers, n_kv_heads=CONFIG.n_kv_heads, head_dim=CONFIG.head_dim
+        )
         assert run["cache"] == spec.describe()
         assert run["cache_bytes_allocated"] == memory_report(fresh).allocated_bytes
         assert run["tokens_stored"] == stored[run["mode"]]
@@ -94,8 +112,12 @@ def test_bench_table_one_line_per_mode_and_length(bench):
     for line, (cache, row) in zip(rows, expected):
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         repeats = row["decode_ms_per_token_repeats"]
-        assert cells[:4] == [cache, str(row["length"]), f"{row['decode_ms_per_token']:.3f}",
-                             f"{min(repeats):.3f}-{max(repeats):.3f}"]
+        assert cells[:4] == [
+            cache,
+            str(row["length"]),
+            f"{row['decode_ms_per_token']:.3f}",
+            f"{min(repeats):.3f}-{max(repeats):.3f}",
+        ]
 
 
 @pytest.mark.parametrize(
@@ -105,7 +127,10 @@ def test_bench_table_one_line_per_mode_and_length(bench):
         (["--modes", "sink4"], "cache mode 'sink4'"),
         (["--modes", "sink4+x"], "cache mode 'sink4+x'"),
         (["--modes", "full:int3"], "cache mode 'full:int3'"),
-        (["--modes", "sink4+60:int4"], "cache mode 'sink4+60:int4': CacheSpec.window=60 is not a multiple of group_size=32"),
+        (
+            ["--modes", "sink4+60:int4"],
+            "cache mode 'sink4+60:int4': CacheSpec.window=60 is not a multiple of group_size=32",
+        ),
         (["--lengths", "64,x"], "--lengths '64,x'"),
         (["--lengths", "0"], "length 0"),
         (["--lengths", "32,256"], "length 32 is shorter than one decode block (64 tokens)"),
@@ -131,8 +156,12 @@ def test_bench_bad_input_one_line_exit_2(capsys, argv, message):
 
 
 def test_script_is_the_subcommand():
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_decode.py"), SYNTHETIC, "--modes", "sink4"],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_decode.py"), SYNTHETIC, "--modes", "sink4"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("jaxkv: error: cache mode 'sink4'"), proc.stderr
 
 
@@ -152,11 +181,24 @@ def test_mode_with_storage_options():
     from jaxkv.eval.bench import parse_mode
 
     spec = parse_mode("sink4+256:int4/int2+pre-rope+hadamard-values", 64)
-    assert spec == CacheSpec(sink=4, window=256, k_quantize="int4", v_quantize="int2", group_size=32, residual=32,
-                             pre_rope_keys=True, hadamard="values")
+    assert spec == CacheSpec(
+        sink=4,
+        window=256,
+        k_quantize="int4",
+        v_quantize="int2",
+        group_size=32,
+        residual=32,
+        pre_rope_keys=True,
+        hadamard="values",
+    )
     assert parse_mode("full:int2+hadamard-both", 64).storage.rotate_keys
-    with pytest.raises(JaxkvError, match="cache mode 'full:int2\\+rotate': storage option 'rotate': expected one of "
-                                         "pre-rope, hadamard-keys, hadamard-values, hadamard-both"):
+    with pytest.raises(
+        JaxkvError,
+        match="cache mode 'full:int2\\+rotate': storage option 'rotate': expected one of "
+        "pre-rope, hadamard-keys, hadamard-values, hadamard-both",
+    ):
         parse_mode("full:int2+rotate", 64)
-    with pytest.raises(JaxkvError, match="cache mode 'full:fp16\\+hadamard-values': CacheSpec.hadamard='values' rotates"):
+    with pytest.raises(
+        JaxkvError, match="cache mode 'full:fp16\\+hadamard-values': CacheSpec.hadamard='values' rotates"
+    ):
         parse_mode("full:fp16+hadamard-values", 64)

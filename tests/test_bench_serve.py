@@ -44,7 +44,7 @@ LLAMA_STREAM = (
 JAXKV_CHAT_STREAM = (
     'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant",'
     '"content":""},"logprobs":null,"finish_reason":null}],"usage":null}\r\n\r\n'
-    ': a comment line\r\n\r\n'
+    ": a comment line\r\n\r\n"
     'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Caf\u00e9 au"},'
     '"logprobs":null,"finish_reason":null}],"usage":null}\r\n\r\n'
     'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" lait"},'
@@ -106,9 +106,11 @@ def test_summarize_fixed_requests():
 
 
 def test_median_summary_over_rounds():
-    rounds = [{"requests": 4, "ok": 4, "out_tok_per_s": 10.0, "peak_rss_mib": 300.0, "kv_bytes": None},
-              {"requests": 4, "ok": 3, "out_tok_per_s": 14.0, "peak_rss_mib": 320.0, "kv_bytes": None},
-              {"requests": 4, "ok": 4, "out_tok_per_s": 11.0, "peak_rss_mib": 310.0, "kv_bytes": None}]
+    rounds = [
+        {"requests": 4, "ok": 4, "out_tok_per_s": 10.0, "peak_rss_mib": 300.0, "kv_bytes": None},
+        {"requests": 4, "ok": 3, "out_tok_per_s": 14.0, "peak_rss_mib": 320.0, "kv_bytes": None},
+        {"requests": 4, "ok": 4, "out_tok_per_s": 11.0, "peak_rss_mib": 310.0, "kv_bytes": None},
+    ]
     m = B.median_summary(rounds)
     assert (m["requests"], m["ok"], m["rounds"]) == (12, 11, 3)
     assert m["out_tok_per_s"] == 11.0
@@ -120,7 +122,7 @@ def parse_all(data: bytes, step: int) -> list[str]:
     p = B.SSEParser()
     events = []
     for i in range(0, len(data), step):
-        events += p.feed(data[i:i + step])
+        events += p.feed(data[i : i + step])
     return events + p.close()
 
 
@@ -154,27 +156,45 @@ def test_sse_parser_multiline_data_and_unterminated_end():
 
 
 def test_prometheus_and_llama_log_parsers():
-    text = ("# HELP jaxkv_kv_cache_bytes bytes of the batched KV cache\n# TYPE jaxkv_kv_cache_bytes gauge\n"
-            "jaxkv_kv_cache_bytes 2.359296e+07\njaxkv_kv_cache_bytes_extra 1.0\n"
-            'jaxkv_requests_total{status="200"} 12.0\njaxkv_busy_slots 0.0\n'
-            'jaxkv_time_to_first_token_seconds_bucket{le="0.1"} 3.0\n')
+    text = (
+        "# HELP jaxkv_kv_cache_bytes bytes of the batched KV cache\n# TYPE jaxkv_kv_cache_bytes gauge\n"
+        "jaxkv_kv_cache_bytes 2.359296e+07\njaxkv_kv_cache_bytes_extra 1.0\n"
+        'jaxkv_requests_total{status="200"} 12.0\njaxkv_busy_slots 0.0\n'
+        'jaxkv_time_to_first_token_seconds_bucket{le="0.1"} 3.0\n'
+    )
     assert B.prometheus_value(text, "jaxkv_kv_cache_bytes") == 23592960
     assert B.prometheus_value(text, "jaxkv_requests_total") == 12.0
     assert B.prometheus_value(text, "jaxkv_missing") is None
-    assert B.prometheus_samples(text, "jaxkv_") == {"jaxkv_kv_cache_bytes": 23592960, "jaxkv_kv_cache_bytes_extra": 1.0,
-                                                     "jaxkv_busy_slots": 0.0}
-    log = ("0.00.395.024 I llama_kv_cache:        CPU KV buffer size =    22.50 MiB\n"
-           "0.00.406.864 I llama_kv_cache: size =   22.50 MiB (   512 cells,  30 layers,  2/2 seqs), "
-           "K (f16):   11.25 MiB, V (f16):   11.25 MiB\n")
+    assert B.prometheus_samples(text, "jaxkv_") == {
+        "jaxkv_kv_cache_bytes": 23592960,
+        "jaxkv_kv_cache_bytes_extra": 1.0,
+        "jaxkv_busy_slots": 0.0,
+    }
+    log = (
+        "0.00.395.024 I llama_kv_cache:        CPU KV buffer size =    22.50 MiB\n"
+        "0.00.406.864 I llama_kv_cache: size =   22.50 MiB (   512 cells,  30 layers,  2/2 seqs), "
+        "K (f16):   11.25 MiB, V (f16):   11.25 MiB\n"
+    )
     assert B.llama_kv_bytes(log) == round(22.5 * (1 << 20))
     assert B.llama_kv_bytes(log + log.splitlines()[1].replace("22.50", "1.50")) == 24 << 20  # two caches (iSWA)
     assert B.llama_kv_bytes("no such line") is None
 
 
 def test_table_and_prompts(tmp_path):
-    row = {"server": "jaxkv", "clients": 4, "req_per_s": 0.5, "out_tok_per_s": 64.0, "ttft_p50_ms": 812.3,
-           "ttft_p99_ms": 1500.0, "itl_p50_ms": 55.55, "itl_p99_ms": None, "peak_rss_mib": 700.2,
-           "kv_bytes": 3 << 20, "ok": 8, "requests": 8}
+    row = {
+        "server": "jaxkv",
+        "clients": 4,
+        "req_per_s": 0.5,
+        "out_tok_per_s": 64.0,
+        "ttft_p50_ms": 812.3,
+        "ttft_p99_ms": 1500.0,
+        "itl_p50_ms": 55.55,
+        "itl_p99_ms": None,
+        "peak_rss_mib": 700.2,
+        "kv_bytes": 3 << 20,
+        "ok": 8,
+        "requests": 8,
+    }
     table = B.markdown_table([row]).splitlines()
     assert table[0].startswith("| server | clients | req/s | out tok/s | TTFT p50 ms")
     assert table[2] == "| jaxkv | 4 | 0.500 | 64.0 | 812 | 1500 | 55.5 | - | 700 | 3.0 | 8/8 |"

@@ -38,9 +38,15 @@ TEMPLATE = (
 PERIOD = 426  # tok512's "."
 FULL = CacheSpec(max_len=400)
 SPEC16 = CacheSpec(sink=4, window=16)
-STREAMING = CacheSpec(sink=4, window=60, positions="cache")  # also what `jaxkv chat --streaming-llm-sink 4 --streaming-llm-window 60` builds
+STREAMING = CacheSpec(
+    sink=4, window=60, positions="cache"
+)  # also what `jaxkv chat --streaming-llm-sink 4 --streaming-llm-window 60` builds
 # float32 scales, as when this test was written (RefDecoder matches float16 ones too: see test_kivi_cache)
-KIVI = CacheSpec(sink=4, window=60, kv_quantize="int4", group_size=4, residual=8, scale_dtype="float32", positions="cache")
+KIVI = CacheSpec(
+    sink=4, window=60, kv_quantize="int4", group_size=4, residual=8, scale_dtype="float32", positions="cache"
+)
+
+
 class Interrupted(BaseException):
     """Stands for KeyboardInterrupt (which would also stop pytest) in the interruption tests."""
 
@@ -102,8 +108,11 @@ def jax_cache(tmp_path_factory):
     floor runs without it."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     if jax.__version_info__ >= (0, 6):
-        env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        env.update(
+            JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        )
     return env
 
 
@@ -128,7 +137,9 @@ def test_three_turns_full_cache_equal_decoding_the_transcript_from_scratch(stops
     for reply, start in zip(replies, starts):
         scratch = generate(model, [transcript[:start]], max_new_tokens=24, cache=FULL, block=8)
         assert scratch.token_ids[0] == reply
-    assert session.messages[1]["content"] == model.tokenizer.decode(replies[0][:-1] if reasons[0] == "eos" else replies[0])
+    assert session.messages[1]["content"] == model.tokenizer.decode(
+        replies[0][:-1] if reasons[0] == "eos" else replies[0]
+    )
 
 
 def test_turn_rendering_bos_and_no_repeated_system_prompt():
@@ -192,8 +203,9 @@ def resumed_in_new_process(path, messages, jax_cache):
         "print(json.dumps(dict(transcript=s.transcript_ids, turns=s.stats().turns)))\n"
     )
     argv = [str(STORIES_BIN), str(TOK512_MODEL), str(path), TEMPLATE, json.dumps(messages)]
-    out = subprocess.run([sys.executable, "-c", code, *argv],
-                         capture_output=True, text=True, timeout=300, env=jax_cache)
+    out = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300, env=jax_cache
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -214,12 +226,22 @@ def test_save_after_turn_two_resume_in_a_new_process_continues_identically(tmp_p
 
 def test_load_restores_everything_in_process(tmp_path):
     path = tmp_path / "chat.safetensors"
-    session = ChatSession(stories_chat(True), CacheSpec(sink=4, window=16, kv_quantize="bf16"), system="Be kind.",
-                          max_new_tokens=12)
+    session = ChatSession(
+        stories_chat(True), CacheSpec(sink=4, window=16, kv_quantize="bf16"), system="Be kind.", max_new_tokens=12
+    )
     converse(session, MESSAGES[:2])
     session.save(path)
     loaded = ChatSession.load(path, stories_chat(True))
-    for attr in ("spec", "system", "messages", "transcript_ids", "pending_token", "finish_reason", "last_reply_ids", "seed"):
+    for attr in (
+        "spec",
+        "system",
+        "messages",
+        "transcript_ids",
+        "pending_token",
+        "finish_reason",
+        "last_reply_ids",
+        "seed",
+    ):
         assert getattr(loaded, attr) == getattr(session, attr), attr
     assert loaded.stats() == session.stats()
     for a, b in zip(jax.tree.leaves(loaded.cache), jax.tree.leaves(session.cache)):
@@ -294,7 +316,9 @@ def test_jaxkv_chat_2_files_written_before_the_checkpoint_module_still_load(tmp_
         (meta, arrays), (again_meta, again) = for_both
         assert again_meta.pop("format") == "jaxkv-chat/3" and meta.pop("format") == "jaxkv-chat/2"
         assert json.loads(again_meta.pop("prefixes")) == {"cache.ring_pos": [1, 2**32 - 1]}  # -1 beyond slot 0
-        assert again.pop("cache.ring_pos").tolist() == [[60]] and arrays.pop("cache.ring_pos")[0, 1:].tolist() == [-1] * 7
+        assert (
+            again.pop("cache.ring_pos").tolist() == [[60]] and arrays.pop("cache.ring_pos")[0, 1:].tolist() == [-1] * 7
+        )
         del meta["checksum"], again_meta["checksum"]
     for_both = [(meta, {k: a.tobytes() for k, a in arrays.items()}) for meta, arrays in for_both]
     assert for_both[0] == for_both[1]
@@ -456,33 +480,61 @@ CRAFTED = {  # a valid checksum, and one field that no chat file holds -> the me
     "negative-turns": ({"state": {"turns": -1}}, "state.turns=-1: expected an integer >= 0"),
     "pending-not-last": ({"state": {"pending": 7}}, "state.pending=7 is not the last of state.last_reply_ids"),
     "not-started": ({"state": {"turns": 0}}, "state.turns=0 with pending=261, finish_reason='length' and 6"),
-    "transcript-before-any-turn": ({"state": {"turns": 0, "pending": None, "finish_reason": None, "last_reply_ids": [],
-                                              "messages": []}}, "state.turns=0 with a transcript of 62 tokens"),
+    "transcript-before-any-turn": (
+        {"state": {"turns": 0, "pending": None, "finish_reason": None, "last_reply_ids": [], "messages": []}},
+        "state.turns=0 with a transcript of 62 tokens",
+    ),
     "roles": ({"state": {"messages": [{"role": "user", "content": "Hi"}]}}, 'state.messages: roles ["user"], expected'),
     "sampler": ({"state": {"sampler": {"temperature": -1}}}, "state.sampler: temperature=-1: expected a finite number"),
-    "negative-length": ({"tensors": {"cache.length": np.array([-5], np.int32)}}, "cache.length = [-5]: a negative token count"),
-    "length-vs-transcript": ({"tensors": {"cache.length": np.array([70], np.int32)}},
-                             "the cache holds 70 tokens, expected 61: the transcript's 62 less the pending last token"),
-    "position-out-of-range": ({"tensors": {"cache.ring_pos": edited((0, 0), 999)}},
-                              "cache.ring_pos[0, 0] = 999: expected -1 (empty) or a position in [4, 61) (row 0 holds 61 tokens)"),
-    "later-token-in-a-sink": ({"tensors": {"cache.sink_pos": edited((0, 3), 40)}},
-                              "cache.sink_pos[0, 3] = 40: expected -1 (empty) or a position in [0, 4)"),
+    "negative-length": (
+        {"tensors": {"cache.length": np.array([-5], np.int32)}},
+        "cache.length = [-5]: a negative token count",
+    ),
+    "length-vs-transcript": (
+        {"tensors": {"cache.length": np.array([70], np.int32)}},
+        "the cache holds 70 tokens, expected 61: the transcript's 62 less the pending last token",
+    ),
+    "position-out-of-range": (
+        {"tensors": {"cache.ring_pos": edited((0, 0), 999)}},
+        "cache.ring_pos[0, 0] = 999: expected -1 (empty) or a position in [4, 61) (row 0 holds 61 tokens)",
+    ),
+    "later-token-in-a-sink": (
+        {"tensors": {"cache.sink_pos": edited((0, 3), 40)}},
+        "cache.sink_pos[0, 3] = 40: expected -1 (empty) or a position in [0, 4)",
+    ),
     "position-twice": ({"tensors": {"cache.ring_pos": edited((0, 1), 52)}}, "position 52 is stored 2 times in row 0"),
-    "nan-value": ({"tensors": {"cache.sink_v": edited((2, 0, 1, 3, 5), np.nan)}},
-                  "cache.sink_v holds 1 non-finite value (NaN or infinity) of 640, the first at index [2, 0, 1, 3, 5])"),
-    "wrong-dtype": ({"tensors": {"cache.ring_pos": lambda a: a.astype(np.int64)}},
-                    "cache.ring_pos is int64[1, 16], expected int32[1, 16]"),
-    "wrong-shape": ({"tensors": {"cache.ring_k": lambda a: a[:, :, :, :15]}},
-                    "cache.ring_k is float32[5, 1, 4, 15, 8], expected float32[5, 1, 4, 16, 8]"),
+    "nan-value": (
+        {"tensors": {"cache.sink_v": edited((2, 0, 1, 3, 5), np.nan)}},
+        "cache.sink_v holds 1 non-finite value (NaN or infinity) of 640, the first at index [2, 0, 1, 3, 5])",
+    ),
+    "wrong-dtype": (
+        {"tensors": {"cache.ring_pos": lambda a: a.astype(np.int64)}},
+        "cache.ring_pos is int64[1, 16], expected int32[1, 16]",
+    ),
+    "wrong-shape": (
+        {"tensors": {"cache.ring_k": lambda a: a[:, :, :, :15]}},
+        "cache.ring_k is float32[5, 1, 4, 15, 8], expected float32[5, 1, 4, 16, 8]",
+    ),
     "token-id": ({"tensors": {"transcript": edited(3, 9999)}}, "token id 9999"),
-    "unknown-prefix": ({"meta": {"format": "jaxkv-chat/3", "prefixes": '{"cache.nope": [1, 0]}'}},
-                       "prefixes: 'cache.nope' is not an array of the cache"),
-    "prefix-too-long": ({"meta": {"format": "jaxkv-chat/3", "prefixes": '{"cache.ring_pos": [1, 4294967295]}'}},
-                        "cache.ring_pos is int32[1, 16], expected a prefix along axis 1 of int32[1, 16]"),
-    "prefix-fill": ({"meta": {"format": "jaxkv-chat/3", "prefixes": '{"cache.ring_pos": [1, 4294967296]}'},
-                     "tensors": {"cache.ring_pos": lambda a: a[:, :3]}},
-                    "prefixes: cache.ring_pos: fill 4294967296 does not fit its 4 bytes"),
-    "prefixes-without-format": ({"meta": {"format": "jaxkv-chat/3"}}, "format 'jaxkv-chat/3' without its 'prefixes' entry"),
+    "unknown-prefix": (
+        {"meta": {"format": "jaxkv-chat/3", "prefixes": '{"cache.nope": [1, 0]}'}},
+        "prefixes: 'cache.nope' is not an array of the cache",
+    ),
+    "prefix-too-long": (
+        {"meta": {"format": "jaxkv-chat/3", "prefixes": '{"cache.ring_pos": [1, 4294967295]}'}},
+        "cache.ring_pos is int32[1, 16], expected a prefix along axis 1 of int32[1, 16]",
+    ),
+    "prefix-fill": (
+        {
+            "meta": {"format": "jaxkv-chat/3", "prefixes": '{"cache.ring_pos": [1, 4294967296]}'},
+            "tensors": {"cache.ring_pos": lambda a: a[:, :3]},
+        },
+        "prefixes: cache.ring_pos: fill 4294967296 does not fit its 4 bytes",
+    ),
+    "prefixes-without-format": (
+        {"meta": {"format": "jaxkv-chat/3"}},
+        "format 'jaxkv-chat/3' without its 'prefixes' entry",
+    ),
 }
 
 
@@ -507,8 +559,9 @@ def test_the_console_script_refuses_a_crafted_chat_file(tmp_path, jax_cache):
     before = path.read_bytes()
     out = run_chat(jax_cache, *STORIES_CHAT_ARGV, "--cache-file", str(path), stdin="Hello\n")
     assert (out.returncode, out.stdout) == (2, "")
-    assert out.stderr == (f"jaxkv: error: {path}: corrupt jaxkv chat cache file (cache.length = [-5]: a negative "
-                          "token count)\n")
+    assert out.stderr == (
+        f"jaxkv: error: {path}: corrupt jaxkv chat cache file (cache.length = [-5]: a negative token count)\n"
+    )
     assert path.read_bytes() == before and os.listdir(tmp_path) == [path.name]
 
 
@@ -523,7 +576,9 @@ def test_another_model_is_named_in_one_short_line(tmp_path):
         f"{re.escape(str(GOLDEN_FP32))} was saved for another model \\(config, weights_sha256 differ: config.dim: file 64, "
         "this model 32; config.hidden_dim: file 172, this model 48; config.max_seq_len: file 512, this model 2048; "
         "config.n_heads: file 8, this model 4; config.n_kv_heads: file 4, this model 2; config.n_layers: file 5, this "
-        "model 2; and 2 more\\): load it with the model it was written for, or delete it to start over", message)
+        "model 2; and 2 more\\): load it with the model it was written for, or delete it to start over",
+        message,
+    )
 
 
 def test_checkpoint_refuses_a_full_cache_holding_more_than_max_len(tmp_path):
@@ -536,8 +591,11 @@ def test_checkpoint_refuses_a_full_cache_holding_more_than_max_len(tmp_path):
     save_cache(tmp_path / "ok.safetensors", cache)
     save_cache(tmp_path / "over.safetensors", cache.replace(length=cache.length + 14))
     assert int(load_cache(tmp_path / "ok.safetensors", new_cache(model.config, spec, 1))[0].length[0]) == 3
-    with pytest.raises(JaxkvError, match=r"over.safetensors: corrupt jaxkv cache file \(cache.length = \[17\]: more tokens "
-                                         r"than the full cache's max_len=16\)$"):
+    with pytest.raises(
+        JaxkvError,
+        match=r"over.safetensors: corrupt jaxkv cache file \(cache.length = \[17\]: more tokens "
+        r"than the full cache's max_len=16\)$",
+    ):
         load_cache(tmp_path / "over.safetensors", new_cache(model.config, spec, 1))
 
 
@@ -620,12 +678,24 @@ def test_cli_in_a_pseudo_terminal_answers_and_stored_tokens_stop_at_the_cap(jax_
     pexpect = pytest.importorskip("pexpect")
     from pexpect import fdpexpect
 
-    argv = [sys.executable, "-m", "jaxkv.cli", "chat", *STORIES_CHAT_ARGV, "--tokens", "12",
-            "--streaming-llm-sink", "4", "--streaming-llm-window", "60"]
+    argv = [
+        sys.executable,
+        "-m",
+        "jaxkv.cli",
+        "chat",
+        *STORIES_CHAT_ARGV,
+        "--tokens",
+        "12",
+        "--streaming-llm-sink",
+        "4",
+        "--streaming-llm-window",
+        "60",
+    ]
     # subprocess forks and execs in C; pexpect.spawn would fork this multithreaded (JAX) process in Python
     master, slave = os.openpty()
-    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env={**jax_cache, "TERM": "dumb"},
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdin=slave, stdout=slave, stderr=slave, env={**jax_cache, "TERM": "dumb"}, start_new_session=True
+    )
     os.close(slave)
     child = fdpexpect.fdspawn(master, encoding="utf-8", timeout=120)
     try:
@@ -657,8 +727,14 @@ def test_cli_in_a_pseudo_terminal_answers_and_stored_tokens_stop_at_the_cap(jax_
 
 
 def run_chat(env, *argv, stdin: str):
-    return subprocess.run([sys.executable, "-m", "jaxkv.cli", "chat", *argv], input=stdin, capture_output=True,
-                          text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxkv.cli", "chat", *argv],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def test_cli_reads_one_message_per_line_and_resumes_from_its_cache_file(tmp_path, jax_cache):
@@ -679,8 +755,17 @@ def test_cli_reads_one_message_per_line_and_resumes_from_its_cache_file(tmp_path
     assert out[:2] + out[3:4] == replies
     assert f"tokens seen {seen_before}, tokens stored 64 (capacity 64)" in out[2]
     assert f"tokens seen {session.tokens_seen}, tokens stored 64 (capacity 64)" in out[4]
-    other = run_chat(jax_cache, *STORIES_CHAT_ARGV, "--streaming-llm-sink", "4", "--streaming-llm-window", "32",
-                     "--cache-file", str(path), stdin="Hi\n")
+    other = run_chat(
+        jax_cache,
+        *STORIES_CHAT_ARGV,
+        "--streaming-llm-sink",
+        "4",
+        "--streaming-llm-window",
+        "32",
+        "--cache-file",
+        str(path),
+        stdin="Hi\n",
+    )
     assert other.returncode == 2 and other.stderr.startswith("jaxkv: error: ") and "another cache spec" in other.stderr
     assert other.stderr.count("\n") == 1
 

@@ -30,24 +30,65 @@ def run_cli(capsys, *argv):
         (["--kv-quantize", "int3"], "--kv-quantize int3: expected one of fp32, fp16, bf16, int8, int4, int2"),
         (["--streaming-llm-sink", "4"], "needs --streaming-llm-window"),
         (["--streaming-llm-window", "0"], "--streaming-llm-window 0: expected an integer in [1, 2147483648)"),
-        (["--streaming-llm-window", "60", "--kv-quantize", "int4", "--kv-group-size", "32"], "--streaming-llm-window 60 is not a multiple of --kv-group-size 32"),
+        (
+            ["--streaming-llm-window", "60", "--kv-quantize", "int4", "--kv-group-size", "32"],
+            "--streaming-llm-window 60 is not a multiple of --kv-group-size 32",
+        ),
         (["--kv-quantize-k", "int3"], "--kv-quantize-k int3: expected one of fp32, fp16, bf16, int8, int4, int2"),
-        (["--kv-quantize", "int4", "--kv-quantize-v", "q8"], "--kv-quantize-v q8: expected one of fp32, fp16, bf16, int8, int4, int2"),
-        (["--kv-residual-dtype", "float16"], ("--kv-residual-dtype float16 is for a quantised cache (int8, int4 or int2 keys "
-                                              "or values): this one stores keys as fp32 and values as fp32, sinks and window included")),
-        (["--kv-quantize", "int4", "--kv-residual-dtype", "float64"], "--kv-residual-dtype float64: expected one of float32, float16, bfloat16"),
-        (["--kv-quantize-v", "fp16", "--kv-group-size", "16"], ("--kv-group-size 16 is for a KIVI cache: it needs --kv-quantize "
-                                                                "int8|int4|int2 (the cache is keys fp32, values fp16)")),
-        (["--streaming-llm-window", "60", "--kv-quantize-k", "int2", "--kv-quantize-v", "fp16", "--kv-group-size", "32"],
-         "--streaming-llm-window 60 is not a multiple of --kv-group-size 32"),
-        (["--kv-hadamard", "values"], ("--kv-hadamard values rotates the values before quantising them, but this cache "
-                                       "stores them as fp32: rotate int8/int4/int2 sides only")),
+        (
+            ["--kv-quantize", "int4", "--kv-quantize-v", "q8"],
+            "--kv-quantize-v q8: expected one of fp32, fp16, bf16, int8, int4, int2",
+        ),
+        (
+            ["--kv-residual-dtype", "float16"],
+            (
+                "--kv-residual-dtype float16 is for a quantised cache (int8, int4 or int2 keys "
+                "or values): this one stores keys as fp32 and values as fp32, sinks and window included"
+            ),
+        ),
+        (
+            ["--kv-quantize", "int4", "--kv-residual-dtype", "float64"],
+            "--kv-residual-dtype float64: expected one of float32, float16, bfloat16",
+        ),
+        (
+            ["--kv-quantize-v", "fp16", "--kv-group-size", "16"],
+            (
+                "--kv-group-size 16 is for a KIVI cache: it needs --kv-quantize "
+                "int8|int4|int2 (the cache is keys fp32, values fp16)"
+            ),
+        ),
+        (
+            [
+                "--streaming-llm-window",
+                "60",
+                "--kv-quantize-k",
+                "int2",
+                "--kv-quantize-v",
+                "fp16",
+                "--kv-group-size",
+                "32",
+            ],
+            "--streaming-llm-window 60 is not a multiple of --kv-group-size 32",
+        ),
+        (
+            ["--kv-hadamard", "values"],
+            (
+                "--kv-hadamard values rotates the values before quantising them, but this cache "
+                "stores them as fp32: rotate int8/int4/int2 sides only"
+            ),
+        ),
         (["--kv-quantize", "int4", "--kv-hadamard", "v"], "--kv-hadamard v: expected one of none, keys, values, both"),
-        (["--kv-quantize", "int4", "--kv-hadamard", "both", "--kv-pre-rope"],
-         ("--kv-hadamard both rotates keys stored after RoPE, but --kv-pre-rope stores them before it (they would be "
-          "rotated back at every read): use --kv-hadamard values, or --positions absolute without --kv-pre-rope")),
-        (["--kv-quantize", "int4", "--kv-hadamard", "keys", "--positions", "cache", "--streaming-llm-window", "64"],
-         "but --positions cache stores them before it"),
+        (
+            ["--kv-quantize", "int4", "--kv-hadamard", "both", "--kv-pre-rope"],
+            (
+                "--kv-hadamard both rotates keys stored after RoPE, but --kv-pre-rope stores them before it (they would be "
+                "rotated back at every read): use --kv-hadamard values, or --positions absolute without --kv-pre-rope"
+            ),
+        ),
+        (
+            ["--kv-quantize", "int4", "--kv-hadamard", "keys", "--positions", "cache", "--streaming-llm-window", "64"],
+            "but --positions cache stores them before it",
+        ),
     ],
 )
 def test_bad_flags_one_line_exit_2(capsys, argv, message):
@@ -85,8 +126,18 @@ def test_full_cache_stops_with_cache_full(stories):
 
 
 def test_streaming_report_line(capsys):
-    code, out, err = run_cli(capsys, *STORIES, "--tokens", "40", "--streaming-llm-sink", "4", "--streaming-llm-window", "12",
-                             "--prompt", "Once upon a time")
+    code, out, err = run_cli(
+        capsys,
+        *STORIES,
+        "--tokens",
+        "40",
+        "--streaming-llm-sink",
+        "4",
+        "--streaming-llm-window",
+        "12",
+        "--prompt",
+        "Once upon a time",
+    )
     assert code == 0 and len(out) > 40
     assert "stored 16 (StreamingLLM cap)" in err and "tokens/s" in err
 
@@ -108,8 +159,25 @@ def test_ppl_pre_rope_keys_and_hadamard_flags(capsys):
     from jaxkv.eval import perplexity, token_nll
     from jaxkv.io import load_model
 
-    rc = main(["ppl", *STORIES, "--text", str(TEXT), "--tokens", "96", "--kv-quantize", "int2", "--kv-group-size", "16",
-               "--kv-residual", "16", "--kv-pre-rope", "--kv-hadamard", "values"])
+    rc = main(
+        [
+            "ppl",
+            *STORIES,
+            "--text",
+            str(TEXT),
+            "--tokens",
+            "96",
+            "--kv-quantize",
+            "int2",
+            "--kv-group-size",
+            "16",
+            "--kv-residual",
+            "16",
+            "--kv-pre-rope",
+            "--kv-hadamard",
+            "values",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "cache full 256, int2 (G=16, R=16, Hadamard V), positions=absolute, pre-RoPE keys;" in out, out
@@ -125,11 +193,33 @@ def test_ppl_separate_key_value_precision_and_effective_bits(capsys):
     G=16, float16 scales and zeros): keys 4 + 2*16/16 = 6 bits, values 8 + 2*16/8 = 12 bits, so
     the store holds 9.00 bits per element; with 4 sinks and 16 residual tokens at 16 bits beside
     the 64 window tokens, (20 * 16 * 2 + 64 * (6 + 12)) / (2 * 84) = 10.67."""
-    rc = main(["ppl", *STORIES, "--text", str(TEXT), "--tokens", "96", "--streaming-llm-sink", "4",
-               "--streaming-llm-window", "64", "--kv-quantize-k", "int4", "--kv-quantize-v", "int8",
-               "--kv-group-size", "16", "--kv-residual", "16", "--kv-residual-dtype", "float16"])
+    rc = main(
+        [
+            "ppl",
+            *STORIES,
+            "--text",
+            str(TEXT),
+            "--tokens",
+            "96",
+            "--streaming-llm-sink",
+            "4",
+            "--streaming-llm-window",
+            "64",
+            "--kv-quantize-k",
+            "int4",
+            "--kv-quantize-v",
+            "int8",
+            "--kv-group-size",
+            "16",
+            "--kv-residual",
+            "16",
+            "--kv-residual-dtype",
+            "float16",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert out.splitlines()[0].endswith(
         ": 96 tokens, 95 scored; cache sink 4 + window 64, K int4 V int8 (G=16, R=16, residual float16), positions=absolute; "
-        "9.00 bits/element in the quantised store (codes + scales + zeros), 10.67 with residual and sinks"), out
+        "9.00 bits/element in the quantised store (codes + scales + zeros), 10.67 with residual and sinks"
+    ), out

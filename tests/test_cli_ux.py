@@ -94,8 +94,20 @@ def test_help_of_every_subcommand_shows_every_default():
     assert "(default: cache, or the resumed file's)" in chat_help
 
 
-@pytest.mark.parametrize("argv", [["sample"], ["chat"], ["ppl", "--text", "t.txt"], ["batch", "--input", "i", "--output", "o"],
-                                  ["bench"], ["info"], ["eval", "passkey"], ["serve"]], ids=lambda a: a[0])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sample"],
+        ["chat"],
+        ["ppl", "--text", "t.txt"],
+        ["batch", "--input", "i", "--output", "o"],
+        ["bench"],
+        ["info"],
+        ["eval", "passkey"],
+        ["serve"],
+    ],
+    ids=lambda a: a[0],
+)
 def test_an_unknown_flag_prints_the_subcommand_usage(capsys, argv):
     code, out, err = cli(capsys, *argv, "--bogus=7", "--tokens-per-second")
     lines = err.splitlines()
@@ -127,12 +139,24 @@ def test_bad_prompt_sources_one_line_before_loading(capsys, monkeypatch, tmp_pat
     bad = tmp_path / "latin1.txt"
     bad.write_bytes(b"caf\xe9\n")
     argv, message = {
-        "both": (["--prompt", "hi", "--prompt-file", str(bad)], f"--prompt and --prompt-file {bad}: give one of the two"),
-        "missing": (["--prompt-file", str(tmp_path / "nope.txt")], f"--prompt-file {tmp_path / 'nope.txt'}: no such file"),
+        "both": (
+            ["--prompt", "hi", "--prompt-file", str(bad)],
+            f"--prompt and --prompt-file {bad}: give one of the two",
+        ),
+        "missing": (
+            ["--prompt-file", str(tmp_path / "nope.txt")],
+            f"--prompt-file {tmp_path / 'nope.txt'}: no such file",
+        ),
         "directory": (["--prompt-file", str(tmp_path)], f"--prompt-file {tmp_path}: cannot read it as UTF-8 text"),
-        "not utf-8": (["--prompt-file", str(bad)], f"--prompt-file {bad}: cannot read it as UTF-8 text ('utf-8' codec can't decode"),
+        "not utf-8": (
+            ["--prompt-file", str(bad)],
+            f"--prompt-file {bad}: cannot read it as UTF-8 text ('utf-8' codec can't decode",
+        ),
         "stdin not utf-8": (["--prompt", "-"], "--prompt - (stdin): cannot read it as UTF-8 text"),
-        "argv not utf-8": (["--prompt", "caf\udce9"], "--prompt 'caf\\udce9': not UTF-8 text (at character 3)"),  # b"caf\xe9"
+        "argv not utf-8": (
+            ["--prompt", "caf\udce9"],
+            "--prompt 'caf\\udce9': not UTF-8 text (at character 3)",
+        ),  # b"caf\xe9"
     }[case]
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe")))
     # the model does not exist: the prompt is checked first
@@ -145,8 +169,10 @@ def test_verbose_echoes_the_prompt_before_the_generated_text(capsys, stories):
     code, out, err = cli(capsys, "sample", *STORIES, "--tokens", "12", "--prompt", PROMPT, "--verbose")
     assert code == 0 and out == PROMPT + text + "\n"
     n = len(stories.tokenizer.encode(PROMPT))
-    assert err.splitlines()[0] == (f"[jaxkv sample: stories260K.bin; prompt {n} tokens; cache full 256, fp32, positions=absolute; "
-                                   "Sampler(temperature=0.0, top_k=None, top_p=None)]")
+    assert err.splitlines()[0] == (
+        f"[jaxkv sample: stories260K.bin; prompt {n} tokens; cache full 256, fp32, positions=absolute; "
+        "Sampler(temperature=0.0, top_k=None, top_p=None)]"
+    )
 
 
 # ---------------------------------------------------------------- --stop
@@ -162,7 +188,9 @@ def test_stop_strings_end_generation_and_are_not_returned_or_printed(stories):
         assert out.finish_reason == "stop" and out.text == text == full.text[:40], (block, text)
         assert out.token_ids == full.token_ids[: len(out.token_ids)]
         decode = stories.tokenizer.decode
-        assert early in decode(out.token_ids) and early not in decode(out.token_ids[:-1])  # ends at the completing token
+        assert early in decode(out.token_ids) and early not in decode(
+            out.token_ids[:-1]
+        )  # ends at the completing token
     assert streamed(stories, PROMPT, max_new_tokens=60, stop=late)[0].text == full.text[:70]
 
 
@@ -178,8 +206,19 @@ def test_text_held_back_for_a_stop_string_that_never_completes_is_printed(storie
 
 def test_cli_stop_prints_the_text_before_it(capsys, stories):
     full, _ = streamed(stories, PROMPT, max_new_tokens=60)
-    code, out, err = cli(capsys, "sample", *STORIES, "--prompt", PROMPT, "--tokens", "60",
-                         "--stop", full.text[70:78], "--stop", full.text[40:46])
+    code, out, err = cli(
+        capsys,
+        "sample",
+        *STORIES,
+        "--prompt",
+        PROMPT,
+        "--tokens",
+        "60",
+        "--stop",
+        full.text[70:78],
+        "--stop",
+        full.text[40:46],
+    )
     assert code == 0 and out == full.text[:40] + "\n"
     assert re.match(r"\[\d+ tokens, stop; ", err.splitlines()[-1]), err
 
@@ -236,7 +275,9 @@ def test_cli_prints_the_fresh_seed_and_seed_repeats_it(capsys):
 @pytest.mark.parametrize("seed", ["-1", str(2**32), str(2**40)])
 @pytest.mark.parametrize("command", ["sample", "chat", "batch"])
 def test_seeds_outside_uint32_are_refused_not_wrapped(capsys, tmp_path, seed, command):
-    extra = ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")] if command == "batch" else []
+    extra = (
+        ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")] if command == "batch" else []
+    )
     code, _, err = cli(capsys, command, str(tmp_path / "no-model.gguf"), "--seed", seed, "--temperature", "0.5", *extra)
     one_error_line(code, err, f"--seed {seed}: expected an integer in [0, 4294967296)")
     assert list(tmp_path.iterdir()) == []
@@ -259,8 +300,10 @@ def test_top_k_top_p_at_temperature_0_warn_once_and_decode_greedily(capsys):
     assert code == 0 and "warning" not in err
     code, out, err = cli(capsys, *argv, "--top-k", "5", "--top-p", "0.9")
     assert code == 0 and out == greedy
-    assert err.splitlines()[0] == ("jaxkv: warning: --top-k 5 and --top-p 0.9 are ignored at --temperature 0 "
-                                   "(greedy decoding); give --temperature T > 0 to sample")
+    assert err.splitlines()[0] == (
+        "jaxkv: warning: --top-k 5 and --top-p 0.9 are ignored at --temperature 0 "
+        "(greedy decoding); give --temperature T > 0 to sample"
+    )
     assert sum("warning" in line for line in err.splitlines()) == 1
     code, _, err = cli(capsys, *argv, "--top-k", "5", "--temperature", "0.7")
     assert code == 0 and "warning" not in err
@@ -269,7 +312,10 @@ def test_top_k_top_p_at_temperature_0_warn_once_and_decode_greedily(capsys):
 def test_chat_warns_too(capsys, tmp_path):
     code, _, err = cli(capsys, "chat", str(tmp_path / "no-model.gguf"), "--top-p", "0.5")
     warning, error = err.splitlines()
-    assert warning == "jaxkv: warning: --top-p 0.5 is ignored at --temperature 0 (greedy decoding); give --temperature T > 0 to sample"
+    assert (
+        warning
+        == "jaxkv: warning: --top-p 0.5 is ignored at --temperature 0 (greedy decoding); give --temperature T > 0 to sample"
+    )
     one_error_line(code, error + "\n", "no-model.gguf")  # then the missing model, as before
 
 
@@ -281,9 +327,22 @@ def test_ctrl_c_during_sample_keeps_the_text_and_prints_the_report(stories):
     """SIGINT to a real ``jaxkv sample`` after its first output: the text printed so far stays,
     the report line says ``interrupted``, the exit code is 130 and there is no traceback."""
     spec = ["--streaming-llm-sink", "4", "--streaming-llm-window", "60"]
-    argv = [sys.executable, "-m", "jaxkv.cli", "sample", *STORIES, "--prompt", PROMPT, "--tokens", "1000000",
-            "--ignore-eos", *spec]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    argv = [
+        sys.executable,
+        "-m",
+        "jaxkv.cli",
+        "sample",
+        *STORIES,
+        "--prompt",
+        PROMPT,
+        "--tokens",
+        "1000000",
+        "--ignore-eos",
+        *spec,
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "JAX_PLATFORMS": "cpu"}
+    )
     try:
         first = b""
         while len(first) < 400:  # past the 64-token cap (text streams: the first token arrives alone)
@@ -337,10 +396,15 @@ def test_a_config_that_is_not_hashable_is_refused_by_name():
             self.config = config
             self.w = nnx.Param(jnp.zeros(3))
 
-    with pytest.raises(JaxkvError, match=r"^LoadedModel: Tiny holds a value jax\.jit cannot hash "
-                                         r"\(unhashable type: 'PlainConfig'\).*frozen=True\)$"):
+    with pytest.raises(
+        JaxkvError,
+        match=r"^LoadedModel: Tiny holds a value jax\.jit cannot hash "
+        r"\(unhashable type: 'PlainConfig'\).*frozen=True\)$",
+    ):
         LoadedModel(config=PlainConfig(), model=Tiny(PlainConfig()), tokenizer=None)
-    frozen = dataclasses.dataclass(frozen=True)(type("FrozenConfig", (), {"__annotations__": {"vocab_size": int}, "vocab_size": 8}))
+    frozen = dataclasses.dataclass(frozen=True)(
+        type("FrozenConfig", (), {"__annotations__": {"vocab_size": int}, "vocab_size": 8})
+    )
     assert LoadedModel(config=frozen(), model=Tiny(frozen()), tokenizer=None).config.vocab_size == 8
 
 
@@ -361,7 +425,9 @@ def test_the_batch_docs_python_runs_as_written(tmp_path):
     assert code.count("run_rows(") == 2 and "run_file(" in code and "make_mesh(" in code
     code = code.replace("../shared/data", str(DATA))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "results.jsonl").read_text().count("\n") == 2
 
@@ -373,8 +439,19 @@ def test_the_command_caches_compiled_programs_and_a_second_run_loads_them(tmp_pa
     entries, the second compiles nothing new and prints the same text."""
     cache = tmp_path / "xla"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXKV_COMPILE_CACHE": str(cache)}
-    argv = [sys.executable, "-m", "jaxkv.cli", "sample", str(STORIES_BIN), "--tokenizer", str(TOK512_MODEL),
-            "--prompt", "Once upon a time", "--tokens", "12"]
+    argv = [
+        sys.executable,
+        "-m",
+        "jaxkv.cli",
+        "sample",
+        str(STORIES_BIN),
+        "--tokenizer",
+        str(TOK512_MODEL),
+        "--prompt",
+        "Once upon a time",
+        "--tokens",
+        "12",
+    ]
     first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     if jax.__version_info__ < (0, 6):

@@ -45,7 +45,8 @@ def test_memory_rows_are_the_leaf_bytes(tokens):
     assert by["fp32"]["groups"]["slots"] == 4 * kv and by["bf16"]["groups"]["slots"] == 2 * kv
     assert by["fp32"]["bytes"] == 4 * kv + bookkeeping and by["fp16"]["bytes"] == 2 * kv + bookkeeping
     assert by["bf16"]["ratio_vs_bf16"] == 1.0 and by["fp32"]["ratio_vs_bf16"] == pytest.approx(
-        by["bf16"]["bytes"] / by["fp32"]["bytes"])
+        by["bf16"]["bytes"] / by["fp32"]["bytes"]
+    )
     quantised = kv * (tokens - 32) // tokens  # K and V elements in the quantised ring (the rest: fp32 residual)
     for mode, cpb in (("int8", 1), ("int4", 2), ("int2", 4)):
         assert by[mode]["groups"]["codes"] == quantised // cpb
@@ -87,8 +88,9 @@ def test_identity_hook_gives_bit_identical_logits():
     n = jnp.asarray([12, 7], jnp.int32)
 
     def step(hook):
-        cache = KVCache.create(CacheSpec(sink=2, window=8), batch=2, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads,
-                               head_dim=c.head_dim)
+        cache = KVCache.create(
+            CacheSpec(sink=2, window=8), batch=2, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim
+        )
         run = jax.jit(lambda s, t, n, cache: forward(graphdef, s, t, n, cache, kv_hook=hook))
         return run(state, tokens, n, cache)
 
@@ -114,8 +116,9 @@ def _grid_groups(rng, shape, axis, group, bits):
 
 
 @pytest.mark.parametrize("bits", [4, 2])
-@pytest.mark.parametrize("keys,values", [("channel", "token"), ("token", "channel"), ("channel", "channel"),
-                                         ("token", "token")])
+@pytest.mark.parametrize(
+    "keys,values", [("channel", "token"), ("token", "channel"), ("channel", "channel"), ("token", "token")]
+)
 def test_fake_quant_matches_numpy(keys, values, bits):
     """Per channel = groups of G tokens along T, per token = the head's H channels ([B, T, K, H] in and out)."""
     rng = np.random.default_rng(bits)
@@ -174,6 +177,8 @@ def test_teacher_forced_nll_with_and_without_fake_quant():
     for r, row in enumerate(rows):  # one pass over a full cache = the streamed full-cache NLL
         np.testing.assert_allclose(base[r], token_nll(lm, row), atol=1e-5)
     np.testing.assert_allclose(teacher_forced_nll(lm, rows[0]), base[0], atol=1e-6)
-    err = {bits: np.max(np.abs(teacher_forced_nll(lm, rows, kv_hook=FakeQuantKV(bits=bits, group_size=8)) - base))
-           for bits in (8, 2)}
+    err = {
+        bits: np.max(np.abs(teacher_forced_nll(lm, rows, kv_hook=FakeQuantKV(bits=bits, group_size=8)) - base))
+        for bits in (8, 2)
+    }
     assert 0 < err[8] < 0.05 and err[2] > 10 * err[8], err

@@ -68,18 +68,20 @@ def test_hf_folder_logits_match_transformers(folders, family):
     np.testing.assert_allclose(logits(model, IDS), reference, atol=1e-4, rtol=0)
     if family in LOCAL:  # the local window matters on this text: ignoring it would show
         config = dataclasses.replace(model.config, sliding_window=10**6)  # local layers as wide as the text
-        wrong = dataclasses.replace(model, model=Llama.from_weights(config, dict(nnx.to_pure_dict(nnx.state(model.model)))),
-                                    config=config)
+        wrong = dataclasses.replace(
+            model, model=Llama.from_weights(config, dict(nnx.to_pure_dict(nnx.state(model.model)))), config=config
+        )
         assert np.abs(logits(wrong, IDS) - reference).max() > 1e-2
-        assert np.abs(logits(wrong, IDS)[:families.WINDOW] - reference[:families.WINDOW]).max() < 1e-4
+        assert np.abs(logits(wrong, IDS)[: families.WINDOW] - reference[: families.WINDOW]).max() < 1e-4
 
 
 def test_llama3_scaling_matters_past_the_original_context(folders):
     model = load_model(folders("llama3"))
     assert model.config.rope.kind == "llama3" and model.config.max_seq_len == 256
     plain = dataclasses.replace(model.config, rope=None)
-    wrong = dataclasses.replace(model, model=Llama.from_weights(plain, dict(nnx.to_pure_dict(nnx.state(model.model)))),
-                                config=plain)
+    wrong = dataclasses.replace(
+        model, model=Llama.from_weights(plain, dict(nnx.to_pure_dict(nnx.state(model.model)))), config=plain
+    )
     reference = families.hf_logits(folders("llama3"), IDS)
     # original_max_position_embeddings = 32: plain RoPE is visibly wrong on this text
     assert np.abs(logits(wrong, IDS) - reference).max() > 1e-2
@@ -115,7 +117,9 @@ def test_streaming_int4_cache_decodes_with_a_per_layer_memory_report(folders, fa
     assert sum(n for _, n, _ in report.by_spec) == len(kinds)
     if family == "gemma3":  # 6 local layers and one global, each kind with its bytes
         assert [(d.split(",")[0], n) for d, n, _ in report.by_spec] == [
-            ("sink 0 + window 16 (local attention over 16)", 6), ("sink 4 + window 32", 1)]
+            ("sink 0 + window 16 (local attention over 16)", 6),
+            ("sink 4 + window 32", 1),
+        ]
         local_bytes, global_bytes = report.by_spec[0][2], report.by_spec[1][2]
         assert local_bytes + global_bytes == report.allocated_bytes and local_bytes / 6 < global_bytes
         assert "1 layer of sink 4 + window 32" in report.summary()
@@ -123,7 +127,9 @@ def test_streaming_int4_cache_decodes_with_a_per_layer_memory_report(folders, fa
 
 def test_cache_positions_rotate_each_layer_kind_with_its_own_rope(folders):
     model = load_model(folders("gemma3"))  # local base 10000, global 1e6 with linear scaling
-    assert model.config.local_rope is not None and model.config.rope_for("sliding_attention") != model.config.rope_for("full_attention")
+    assert model.config.local_rope is not None and model.config.rope_for("sliding_attention") != model.config.rope_for(
+        "full_attention"
+    )
     absolute = logits(model, IDS)
     cache = logits(model, IDS, CacheSpec(max_len=T, positions="cache"))  # ranks = positions in a full cache
     np.testing.assert_allclose(cache, absolute, atol=1e-4, rtol=0)
@@ -144,8 +150,11 @@ converter = families.llama_cpp_converter()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(converter is None, reason="llama.cpp's convert_hf_to_gguf.py not found (scripts/test.sh unpacks it "
-                                               "into ~/.cache/jaxkv/llama.cpp; or set JAXKV_LLAMA_CPP)")
+@pytest.mark.skipif(
+    converter is None,
+    reason="llama.cpp's convert_hf_to_gguf.py not found (scripts/test.sh unpacks it "
+    "into ~/.cache/jaxkv/llama.cpp; or set JAXKV_LLAMA_CPP)",
+)
 @pytest.mark.parametrize("family", families.FAMILIES)
 def test_gguf_from_llama_cpp_converter_matches_the_hf_folder(folders, tmp_path, family):
     folder = folders(family)
@@ -155,12 +164,13 @@ def test_gguf_from_llama_cpp_converter_matches_the_hf_folder(folders, tmp_path, 
     a, b = logits(hf, IDS), logits(model, IDS)
     if family == "mistral":  # llama.cpp's converter drops Mistral's window (llama.cpp ignores it): equal within it
         assert model.config.sliding_window is None
-        a, b = a[:families.WINDOW], b[:families.WINDOW]
+        a, b = a[: families.WINDOW], b[: families.WINDOW]
     else:
         same = dict(name=hf.config.name, norm_eps=hf.config.norm_eps, rope=hf.config.rope)  # float32 in the file
         assert dataclasses.replace(model.config, **same) == hf.config
-        np.testing.assert_allclose(model.config.rope_for("full_attention").inv_freq,
-                                   hf.config.rope_for("full_attention").inv_freq, rtol=1e-6)
+        np.testing.assert_allclose(
+            model.config.rope_for("full_attention").inv_freq, hf.config.rope_for("full_attention").inv_freq, rtol=1e-6
+        )
     np.testing.assert_allclose(b, a, atol=1e-4, rtol=0)
 
 
@@ -169,9 +179,27 @@ def test_gguf_from_llama_cpp_converter_matches_the_hf_folder(folders, tmp_path, 
 def test_cli_chat_sample_with_a_streaming_int4_cache(folders, capsys, family):
     from jaxkv.cli import main
 
-    code = main(["sample", folders(family), "--chat", "--prompt", "Once upon a time", "--tokens", "6",
-                 "--streaming-llm-sink", "4", "--streaming-llm-window", "32", "--kv-quantize", "int4",
-                 "--kv-group-size", "8", "--kv-residual", "16"])
+    code = main(
+        [
+            "sample",
+            folders(family),
+            "--chat",
+            "--prompt",
+            "Once upon a time",
+            "--tokens",
+            "6",
+            "--streaming-llm-sink",
+            "4",
+            "--streaming-llm-window",
+            "32",
+            "--kv-quantize",
+            "int4",
+            "--kv-group-size",
+            "8",
+            "--kv-residual",
+            "16",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     report = err.strip().splitlines()[-1]
@@ -207,7 +235,9 @@ def test_a_cache_without_the_models_window_is_refused_not_silently_wrong(folders
 
     model = load_model(folders("mistral"))  # every layer local: a plain cache would run, without the window
     c = model.config
-    plain = KVCache.create(CacheSpec(max_len=T), batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+    plain = KVCache.create(
+        CacheSpec(max_len=T), batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim
+    )
     graphdef, state = nnx.split(model.model)
     with pytest.raises(JaxkvError, match="a local window of 16 tokens on sliding_attention layers.*new_cache"):
         forward(graphdef, state, jnp.asarray([IDS], jnp.int32), jnp.asarray([T], jnp.int32), plain)

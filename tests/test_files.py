@@ -56,14 +56,17 @@ def listing(root):
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
-@pytest.mark.parametrize("name, why", [
-    ("missing/out.jsonl", "the directory {d}/missing does not exist"),
-    ("file/out.jsonl", "the directory {d}/file is not a directory"),  # NotADirectory: refused as root too
-    ("dir", "is a directory; expected a file name"),
-    ("in.jsonl", "is the input file {d}/in.jsonl (writing it would replace the input); choose another file"),
-    ("link.jsonl", "is the input file {d}/in.jsonl (writing it would replace the input); choose another file"),
-    ("hard.jsonl", "is the input file {d}/in.jsonl (writing it would replace the input); choose another file"),
-])
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("missing/out.jsonl", "the directory {d}/missing does not exist"),
+        ("file/out.jsonl", "the directory {d}/file is not a directory"),  # NotADirectory: refused as root too
+        ("dir", "is a directory; expected a file name"),
+        ("in.jsonl", "is the input file {d}/in.jsonl (writing it would replace the input); choose another file"),
+        ("link.jsonl", "is the input file {d}/in.jsonl (writing it would replace the input); choose another file"),
+        ("hard.jsonl", "is the input file {d}/in.jsonl (writing it would replace the input); choose another file"),
+    ],
+)
 def test_check_writable_names_the_path_and_why_and_touches_nothing(place, name, why):
     before = listing(place)
     with pytest.raises(JaxkvError) as e:
@@ -96,8 +99,11 @@ def test_check_writable_reports_a_directory_it_cannot_create_a_file_in(place, mo
     assert str(e.value) == f"--nll-out {place}/dir/out.jsonl: cannot create a file in {place}/dir (Permission denied)"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a mode-0555 directory (and so would the write): "
-                                              "the NotADirectory case above is the unwritable path tested as root")
+@pytest.mark.skipif(
+    os.geteuid() == 0,
+    reason="root may write into a mode-0555 directory (and so would the write): "
+    "the NotADirectory case above is the unwritable path tested as root",
+)
 def test_check_writable_refuses_a_read_only_directory(place):
     (place / "dir").chmod(0o555)
     try:
@@ -113,25 +119,49 @@ STORIES = [str(STORIES_BIN), "--tokenizer", str(TOK512_MODEL)]
 
 
 def jaxkv(*argv, stdin=""):
-    return subprocess.run([sys.executable, "-m", "jaxkv.cli", *argv], input=stdin, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-m", "jaxkv.cli", *argv],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)},
+    )
 
 
-@pytest.mark.parametrize("argv, why", [
-    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/file/out.jsonl"],
-     "--output {d}/file/out.jsonl: the directory {d}/file is not a directory"),
-    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/missing/out.jsonl"],
-     "--output {d}/missing/out.jsonl: the directory {d}/missing does not exist"),
-    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/dir"], "--output {d}/dir: is a directory; expected a file name"),
-    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/link.jsonl"],
-     "--output {d}/link.jsonl: is the input file {d}/in.jsonl (writing it would replace the input); choose another file"),
-    (["chat", "--cache-file", "{d}/missing/chat.safetensors"],
-     "--cache-file {d}/missing/chat.safetensors: the directory {d}/missing does not exist"),
-    (["chat", "--cache-file", "{d}/file/chat.safetensors"],
-     "--cache-file {d}/file/chat.safetensors: the directory {d}/file is not a directory"),
-    (["ppl", "--text", str(TEXT), "--nll-out", "{d}/missing/nll.txt"],
-     "--nll-out {d}/missing/nll.txt: the directory {d}/missing does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (
+            ["batch", "--input", "{d}/in.jsonl", "--output", "{d}/file/out.jsonl"],
+            "--output {d}/file/out.jsonl: the directory {d}/file is not a directory",
+        ),
+        (
+            ["batch", "--input", "{d}/in.jsonl", "--output", "{d}/missing/out.jsonl"],
+            "--output {d}/missing/out.jsonl: the directory {d}/missing does not exist",
+        ),
+        (
+            ["batch", "--input", "{d}/in.jsonl", "--output", "{d}/dir"],
+            "--output {d}/dir: is a directory; expected a file name",
+        ),
+        (
+            ["batch", "--input", "{d}/in.jsonl", "--output", "{d}/link.jsonl"],
+            "--output {d}/link.jsonl: is the input file {d}/in.jsonl (writing it would replace the input); choose another file",
+        ),
+        (
+            ["chat", "--cache-file", "{d}/missing/chat.safetensors"],
+            "--cache-file {d}/missing/chat.safetensors: the directory {d}/missing does not exist",
+        ),
+        (
+            ["chat", "--cache-file", "{d}/file/chat.safetensors"],
+            "--cache-file {d}/file/chat.safetensors: the directory {d}/file is not a directory",
+        ),
+        (
+            ["ppl", "--text", str(TEXT), "--nll-out", "{d}/missing/nll.txt"],
+            "--nll-out {d}/missing/nll.txt: the directory {d}/missing does not exist",
+        ),
+    ],
+)
 def test_cli_refuses_an_unwritable_output_before_any_work(place, argv, why):
     before = listing(place)
     command, *rest = argv

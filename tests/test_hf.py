@@ -74,8 +74,11 @@ def hf_tensors(cfg, *, rng, bias=False, tie=False):
             p + "mlp.down_proj.weight": w(d, f),
         }
         if bias:
-            t |= {p + "self_attn.q_proj.bias": w(n * h, scale=0.5), p + "self_attn.k_proj.bias": w(k * h, scale=0.5),
-                  p + "self_attn.v_proj.bias": w(k * h, scale=0.5)}
+            t |= {
+                p + "self_attn.q_proj.bias": w(n * h, scale=0.5),
+                p + "self_attn.k_proj.bias": w(k * h, scale=0.5),
+                p + "self_attn.v_proj.bias": w(k * h, scale=0.5),
+            }
     return t
 
 
@@ -107,16 +110,42 @@ def write_folder(folder, cfg, tensors, *, tokenizer=None, tok_config=None, shard
 
 
 LLAMA_CFG = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32, intermediate_size=48,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=264, rope_theta=10000.0,
-    rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False, hidden_act="silu",
-    bos_token_id=256, eos_token_id=257, rope_scaling=None, attention_bias=False,
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=264,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    bos_token_id=256,
+    eos_token_id=257,
+    rope_scaling=None,
+    attention_bias=False,
 )
 QWEN2_CFG = dict(
-    architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=48, intermediate_size=64,
-    num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, vocab_size=260, rope_theta=1000000.0,
-    rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=True, hidden_act="silu",
-    use_sliding_window=False, sliding_window=None, bos_token_id=256, eos_token_id=256,
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    vocab_size=260,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    use_sliding_window=False,
+    sliding_window=None,
+    bos_token_id=256,
+    eos_token_id=256,
 )
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -200,8 +229,9 @@ def numpy_forward(cfg, t, tokens):
 def jax_logits(model, tokens):
     """jaxkv's teacher-forced logits float32[T, V] (one chunk through a full cache)."""
     c = model.config
-    cache = KVCache.create(CacheSpec(max_len=len(tokens)), batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads,
-                           head_dim=c.head_dim)
+    cache = KVCache.create(
+        CacheSpec(max_len=len(tokens)), batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim
+    )
     gd, st = nnx.split(model.model)
     logits, _ = forward(gd, st, jnp.asarray([tokens], jnp.int32), jnp.asarray([len(tokens)], jnp.int32), cache)
     return np.asarray(logits[0])
@@ -211,7 +241,7 @@ def greedy_reference(cfg, tensors, prompt, steps):
     ids = list(prompt)
     for _ in range(steps):
         ids.append(int(np.argmax(numpy_forward(cfg, tensors, ids)[-1])))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 # ----------------------------------------------------------------------------------- tests
@@ -285,12 +315,25 @@ def test_stories260k_resaved_in_hf_layout_matches_bin_loader(tmp_path):
             p + "mlp.down_proj.weight": w["w_down"][i].T,
         }
     hf_cfg = dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=d, intermediate_size=w["w_gate"].shape[2],
-        num_hidden_layers=n_layers, num_attention_heads=n, num_key_value_heads=k, vocab_size=w["embed"].shape[0],
-        rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=512, tie_word_embeddings=True,
-        hidden_act="silu", bos_token_id=1, eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=d,
+        intermediate_size=w["w_gate"].shape[2],
+        num_hidden_layers=n_layers,
+        num_attention_heads=n,
+        num_key_value_heads=k,
+        vocab_size=w["embed"].shape[0],
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        bos_token_id=1,
+        eos_token_id=2,
     )
-    folder = write_folder(str(tmp_path / "stories260K-hf"), hf_cfg, {k_: np.ascontiguousarray(v) for k_, v in tensors.items()})
+    folder = write_folder(
+        str(tmp_path / "stories260K-hf"), hf_cfg, {k_: np.ascontiguousarray(v) for k_, v in tensors.items()}
+    )
     shutil.copy(TOK512_MODEL, os.path.join(folder, "tokenizer.model"))  # SentencePiece fallback
     hf_model = load_model(folder)
     bin_model = load_model(STORIES_BIN, tokenizer=TOK512_MODEL)
@@ -374,8 +417,11 @@ def test_raw_safetensors_reader_matches_safetensors(tmp_path):
     from jaxkv.io.hf import SafetensorsFile
 
     rng = np.random.default_rng(3)
-    arrays = {"a": rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16), "b": rng.standard_normal(7).astype(np.float16),
-              "c": rng.standard_normal((2, 2, 2)).astype(np.float32)}
+    arrays = {
+        "a": rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16),
+        "b": rng.standard_normal(7).astype(np.float16),
+        "c": rng.standard_normal((2, 2, 2)).astype(np.float32),
+    }
     save_file(arrays, str(tmp_path / "x.safetensors"))
     shard = SafetensorsFile(str(tmp_path / "x.safetensors"))
     for name, a in arrays.items():
@@ -389,21 +435,51 @@ def test_from_hf_reads_mistral_head_dim_and_rope_parameters():
     from jaxkv.errors import JaxkvError
     from jaxkv.models.llama import LlamaConfig
 
-    c = LlamaConfig.from_hf(dict(architectures=["MistralForCausalLM"], hidden_size=64, intermediate_size=96,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-                                 vocab_size=100, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
-                                 sliding_window=4096, max_position_embeddings=8192), name="m")
-    assert (c.head_dim, c.n_kv_heads, c.rope_theta, c.norm_eps, c.max_seq_len, c.tie_embeddings) == (32, 1, 5e5, 1e-6, 8192, False)
+    c = LlamaConfig.from_hf(
+        dict(
+            architectures=["MistralForCausalLM"],
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            vocab_size=100,
+            rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+            sliding_window=4096,
+            max_position_embeddings=8192,
+        ),
+        name="m",
+    )
+    assert (c.head_dim, c.n_kv_heads, c.rope_theta, c.norm_eps, c.max_seq_len, c.tie_embeddings) == (
+        32,
+        1,
+        5e5,
+        1e-6,
+        8192,
+        False,
+    )
     assert c.sliding_window == 4096 and c.layer_kinds == ("sliding_attention",) * 2  # Mistral's window, every layer
     # model_type alone is enough; TinyLlama/SmolLM2 are LlamaForCausalLM
-    c = LlamaConfig.from_hf(dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                 num_attention_heads=4, vocab_size=10, tie_word_embeddings=True))
+    c = LlamaConfig.from_hf(
+        dict(
+            model_type="llama",
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            vocab_size=10,
+            tie_word_embeddings=True,
+        )
+    )
     assert c.n_kv_heads == 4 and c.head_dim == 16 and c.tie_embeddings and not c.attention_bias
     with pytest.raises(JaxkvError, match="use_sliding_window"):
         registry.family_for_hf(QWEN2_CFG).hf.config({**QWEN2_CFG, "use_sliding_window": True})
     with pytest.raises(JaxkvError, match="num_hidden_layers"):
         LlamaConfig.from_hf({k: v for k, v in LLAMA_CFG.items() if k != "num_hidden_layers"})
-    with pytest.raises(JaxkvError, match="rope_scaling of type 'dynamic' is not supported: expected one of default, linear, llama3"):
+    with pytest.raises(
+        JaxkvError, match="rope_scaling of type 'dynamic' is not supported: expected one of default, linear, llama3"
+    ):
         LlamaConfig.from_hf({**LLAMA_CFG, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
     assert LlamaConfig.from_hf({**LLAMA_CFG, "rope_scaling": {"type": "linear", "factor": 2.0}}).rope.kind == "linear"
 
@@ -428,22 +504,31 @@ def test_each_registered_hf_architecture_loads_and_matches_numpy(tmp_path, arch)
 
 
 def test_unknown_architectures_are_named_with_the_supported_ones(tmp_path, llama_folder):
-    supported = ("expected one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                 "Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM")
+    supported = (
+        "expected one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+        "Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM"
+    )
     with pytest.raises(JaxkvError, match=f"architecture GPTNeoXForCausalLM is not supported: {supported}"):
         registry.family_for_hf({"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"})
     with pytest.raises(JaxkvError, match=f"architecture model_type 'gpt_neox' is not supported: {supported}"):
         registry.family_for_hf({"model_type": "gpt_neox"})
     assert registry.family_for_hf({"model_type": "qwen2"}) is registry.FAMILIES["qwen2"]
-    with pytest.raises(JaxkvError, match="GGUF architecture 'gptneox' is not supported: expected one of 'llama', 'qwen2', "
-                                         "'qwen3', 'gemma2', 'gemma3', 'phi3'"):
+    with pytest.raises(
+        JaxkvError,
+        match="GGUF architecture 'gptneox' is not supported: expected one of 'llama', 'qwen2', "
+        "'qwen3', 'gemma2', 'gemma3', 'phi3'",
+    ):
         registry.family_for_gguf("gptneox")
     with pytest.raises(JaxkvError, match="config dict is of no registered model family: expected one of LlamaConfig"):
         registry.family_of({})
     folder = tmp_path / "neox"
     shutil.copytree(llama_folder[0], folder)
-    (folder / "config.json").write_text(json.dumps({**LLAMA_CFG, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}))
-    with pytest.raises(ModelFileError, match=rf"config\.json: architecture GPTNeoXForCausalLM is not supported: {supported}"):
+    (folder / "config.json").write_text(
+        json.dumps({**LLAMA_CFG, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"})
+    )
+    with pytest.raises(
+        ModelFileError, match=rf"config\.json: architecture GPTNeoXForCausalLM is not supported: {supported}"
+    ):
         load_model(folder)
 
 
@@ -451,12 +536,18 @@ def test_unknown_architectures_are_named_with_the_supported_ones(tmp_path, llama
     "change,match",
     [
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5 is not supported"),
-        (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}), "partial_rotary_factor=0.25"),
+        (
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}),
+            "partial_rotary_factor=0.25",
+        ),
         (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0 is not supported"),
         (dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0 is not supported"),
         (dict(query_pre_attn_scalar=256), "query_pre_attn_scalar=256 is not supported"),
         (dict(use_qk_norm=True), "use_qk_norm=True is not supported"),
-        (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types with 'sliding_attention' is not supported"),
+        (
+            dict(layer_types=["full_attention", "sliding_attention"]),
+            "layer_types with 'sliding_attention' is not supported",
+        ),
         (dict(mlp_bias=True), "mlp_bias=true is not supported"),
     ],
 )
@@ -472,16 +563,26 @@ def test_maths_changing_config_attributes_are_refused_by_name(tmp_path, llama_fo
 def test_neutral_values_of_those_attributes_load(tmp_path, llama_folder):
     folder = tmp_path / "model"
     shutil.copytree(llama_folder[0], folder)
-    neutral = dict(partial_rotary_factor=1.0, attn_logit_softcapping=None, query_pre_attn_scalar=None, use_qk_norm=False,
-                   layer_types=["full_attention", "full_attention"], mlp_bias=False)
+    neutral = dict(
+        partial_rotary_factor=1.0,
+        attn_logit_softcapping=None,
+        query_pre_attn_scalar=None,
+        use_qk_norm=False,
+        layer_types=["full_attention", "full_attention"],
+        mlp_bias=False,
+    )
     (folder / "config.json").write_text(json.dumps({**LLAMA_CFG, **neutral}))
     prompt = [256, 72, 105]
-    np.testing.assert_array_equal(jax_logits(load_model(folder), prompt), jax_logits(load_model(llama_folder[0]), prompt))
+    np.testing.assert_array_equal(
+        jax_logits(load_model(folder), prompt), jax_logits(load_model(llama_folder[0]), prompt)
+    )
 
 
 def test_a_bias_the_family_does_not_read_is_refused(tmp_path):
     cfg = {**LLAMA_CFG, "num_hidden_layers": 1}
-    tensors = hf_tensors(cfg, rng=np.random.default_rng(6)) | {"model.layers.0.self_attn.o_proj.bias": np.zeros(32, np.float32)}
+    tensors = hf_tensors(cfg, rng=np.random.default_rng(6)) | {
+        "model.layers.0.self_attn.o_proj.bias": np.zeros(32, np.float32)
+    }
     folder = write_folder(str(tmp_path / "o-bias"), cfg, tensors, tokenizer=byte_tokenizer(["<s>", "</s>"]))
     with pytest.raises(ModelFileError, match=r"'model\.layers\.0\.self_attn\.o_proj\.bias' is a bias"):
         load_model(folder)
@@ -491,8 +592,9 @@ def test_a_non_finite_weight_is_refused_naming_the_shard_and_tensor(tmp_path):
     cfg = {**LLAMA_CFG, "num_hidden_layers": 1}
     tensors = hf_tensors(cfg, rng=np.random.default_rng(3))
     tensors["model.layers.0.mlp.up_proj.weight"][5, 2:4] = [np.nan, np.inf]
-    folder = write_folder(str(tmp_path / "nan"), cfg, tensors, tokenizer=byte_tokenizer(["<s>", "</s>"]),
-                          dtype=ml_dtypes.bfloat16)
+    folder = write_folder(
+        str(tmp_path / "nan"), cfg, tensors, tokenizer=byte_tokenizer(["<s>", "</s>"]), dtype=ml_dtypes.bfloat16
+    )
     with pytest.raises(ModelFileError) as e:
         load_model(folder)
     assert str(e.value) == (

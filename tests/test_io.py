@@ -78,7 +78,9 @@ def test_llama2c_config_and_shapes():
     np.testing.assert_array_equal(w["wv"], raw["wv"].transpose(0, 2, 1))
     np.testing.assert_array_equal(w["wo"], raw["wo"].transpose(0, 2, 1))
     # rotate-half order inside each 8-channel head: checkpoint channels 0,2,4,6,1,3,5,7
-    np.testing.assert_array_equal(w["wq"][:, :, 8:16], raw["wq"][:, [8, 10, 12, 14, 9, 11, 13, 15], :].transpose(0, 2, 1))
+    np.testing.assert_array_equal(
+        w["wq"][:, :, 8:16], raw["wq"][:, [8, 10, 12, 14, 9, 11, 13, 15], :].transpose(0, 2, 1)
+    )
 
 
 def test_llama2c_file_rope_tables_match_config_theta():
@@ -293,7 +295,13 @@ def test_tiny_gguf_all_supported_types(tmp_path):
     for i in range(L):
         np.testing.assert_array_equal(w["wq"][i], expected[f"blk.{i}.attn_q"][rotate_half].T)
         np.testing.assert_array_equal(w["wk"][i], expected[f"blk.{i}.attn_k"][rotate_half[: K * H]].T)
-        for key, name in [("wv", "attn_v"), ("wo", "attn_output"), ("w_gate", "ffn_gate"), ("w_up", "ffn_up"), ("w_down", "ffn_down")]:
+        for key, name in [
+            ("wv", "attn_v"),
+            ("wo", "attn_output"),
+            ("w_gate", "ffn_gate"),
+            ("w_up", "ffn_up"),
+            ("w_down", "ffn_down"),
+        ]:
             np.testing.assert_array_equal(w[key][i], expected[f"blk.{i}.{name}"].T, err_msg=key)
         np.testing.assert_array_equal(w["attn_norm"][i], expected[f"blk.{i}.attn_norm"])
     assert tokenizer.encode("ab") == [3] and tokenizer.eos_id == 0 and tokenizer.add_bos is False
@@ -321,7 +329,9 @@ def test_tiny_gguf_bad_architecture_missing_and_misshapen_tensors(tmp_path):
         load_gguf(path)
     path = tmp_path / "shape.gguf"
     write_tiny_gguf(path, ffn=96)
-    with pytest.raises(ModelFileError, match=r"shape.gguf: tensor 'blk.0.ffn_gate.weight' has shape \(64, 32\); expected \(96, 32\)"):
+    with pytest.raises(
+        ModelFileError, match=r"shape.gguf: tensor 'blk.0.ffn_gate.weight' has shape \(64, 32\); expected \(96, 32\)"
+    ):
         load_gguf(path)
 
 
@@ -352,7 +362,9 @@ def test_gguf_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
     whose logits are all NaN (sampling token 0 forever)."""
     path = tmp_path / "nan-scale.gguf"
     write_tiny_gguf(path, {"attn_k": Q.Q4_1})
-    patch_tensor(path, "blk.1.attn_k.weight", 20, np.float16(np.nan).tobytes())  # the scale d of block 1 (row 1: D = 32)
+    patch_tensor(
+        path, "blk.1.attn_k.weight", 20, np.float16(np.nan).tobytes()
+    )  # the scale d of block 1 (row 1: D = 32)
     with pytest.raises(ModelFileError) as e:
         load_gguf(path)
     assert str(e.value) == (
@@ -362,8 +374,11 @@ def test_gguf_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
     path = tmp_path / "inf.gguf"
     write_tiny_gguf(path)
     patch_tensor(path, "output_norm.weight", 4 * 5, np.float32(-np.inf).tobytes())
-    with pytest.raises(ModelFileError, match=r"^inf.gguf: tensor 'output_norm.weight' holds 1 non-finite value "
-                                             r"\(NaN or infinity\) of 32, the first at index \[5\]$"):
+    with pytest.raises(
+        ModelFileError,
+        match=r"^inf.gguf: tensor 'output_norm.weight' holds 1 non-finite value "
+        r"\(NaN or infinity\) of 32, the first at index \[5\]$",
+    ):
         load_model_files(path)
 
 
@@ -389,10 +404,16 @@ def test_gguf_is_detected_by_magic_or_name_and_damage_is_named(tmp_path):
     write_tiny_gguf(whole, {"ffn_down": Q.Q4_1})
     data = whole.read_bytes()
     cases = {
-        "cut.gguf": (data[:-1], f"cut.gguf: truncated GGUF file: its tensor data end at byte {len(data):,}, "
-                                f"the file has {len(data) - 1:,} bytes"),
-        "header.gguf": (data[:6], "header.gguf: truncated GGUF file: its header (metadata, tensor infos) runs to "
-                                  "byte 8, the file has 6 bytes"),
+        "cut.gguf": (
+            data[:-1],
+            f"cut.gguf: truncated GGUF file: its tensor data end at byte {len(data):,}, "
+            f"the file has {len(data) - 1:,} bytes",
+        ),
+        "header.gguf": (
+            data[:6],
+            "header.gguf: truncated GGUF file: its header (metadata, tensor infos) runs to "
+            "byte 8, the file has 6 bytes",
+        ),
         "short.gguf": (b"GGU", "short.gguf: truncated: a GGUF file starts with b'GGUF' and a header, got 3 bytes"),
         "empty.gguf": (b"", "empty.gguf: truncated: a GGUF file starts with b'GGUF' and a header, got 0 bytes"),
         "magic.gguf": (b"GGUX" + data[4:], "magic.gguf: not a GGUF file (starts with b'GGUX', expected b'GGUF')"),
@@ -407,8 +428,11 @@ def test_gguf_is_detected_by_magic_or_name_and_damage_is_named(tmp_path):
     assert load_model_files(renamed)[0].n_layers == L
     lone = tmp_path / "model.safetensors"
     lone.write_bytes(b"\0" * 16)
-    with pytest.raises(ModelFileError, match=r"model.safetensors: a safetensors file alone is not a model: pass the "
-                                             r"Hugging Face folder"):
+    with pytest.raises(
+        ModelFileError,
+        match=r"model.safetensors: a safetensors file alone is not a model: pass the "
+        r"Hugging Face folder",
+    ):
         load_model_files(lone)
 
 
@@ -464,7 +488,9 @@ def test_default_model_path(monkeypatch):
 
 # -- architecture registry ---------------------------------------------------------------
 
-GGUF_ARCHITECTURES = ["llama"]  # the tensor set written here; every family through llama.cpp's converter: test_families.py
+GGUF_ARCHITECTURES = [
+    "llama"
+]  # the tensor set written here; every family through llama.cpp's converter: test_families.py
 
 
 @pytest.mark.parametrize("arch", GGUF_ARCHITECTURES)
@@ -496,7 +522,9 @@ def test_gguf_rope_freqs_scale_the_frequencies(tmp_path):
 def test_gguf_tensor_the_family_does_not_read_is_refused(tmp_path):
     path = tmp_path / "moe.gguf"
     write_tiny_gguf(path, extra={"blk.0.ffn_gate_inp.weight": np.ones((4, D), np.float32)})
-    with pytest.raises(ModelFileError, match="moe.gguf: tensor 'blk.0.ffn_gate_inp.weight' is not part of a llama model"):
+    with pytest.raises(
+        ModelFileError, match="moe.gguf: tensor 'blk.0.ffn_gate_inp.weight' is not part of a llama model"
+    ):
         load_gguf(path)
     path = tmp_path / "bias.gguf"
     write_tiny_gguf(path, extra={"blk.0.attn_q.bias": np.zeros(N * H, np.float32)})

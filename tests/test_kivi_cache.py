@@ -38,8 +38,16 @@ def kivi_spec(g, mode, positions, scale_dtype="float32", **storage):
     flushes wrap the quantised ring mid-flush); G=8 -> W=16 with R=16 (absolute: R = W) or R=8."""
     window = {4: 12, 8: 16}[g]
     residual = {(4, "absolute"): 4, (4, "cache"): 8, (8, "absolute"): 16, (8, "cache"): 8}[g, positions]
-    return CacheSpec(sink=SINK, window=window, kv_quantize=mode, group_size=g, residual=residual,
-                     positions=positions, scale_dtype=scale_dtype, **storage)
+    return CacheSpec(
+        sink=SINK,
+        window=window,
+        kv_quantize=mode,
+        group_size=g,
+        residual=residual,
+        positions=positions,
+        scale_dtype=scale_dtype,
+        **storage,
+    )
 
 
 def new_cache(spec, batch=1):
@@ -142,10 +150,14 @@ def test_float16_scales_match_reference_with_directed_rounding(g, mode, position
     assert held == ref_held
 
 
-@pytest.mark.parametrize("spec", [
-    CacheSpec(max_len=40, kv_quantize="int4", group_size=4, residual=8, positions="cache", scale_dtype="float32"),
-    CacheSpec(sink=0, window=8, kv_quantize="int2", group_size=4, residual=4, scale_dtype="float32"),
-], ids=["full-cache", "no-sinks"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        CacheSpec(max_len=40, kv_quantize="int4", group_size=4, residual=8, positions="cache", scale_dtype="float32"),
+        CacheSpec(sink=0, window=8, kv_quantize="int2", group_size=4, residual=4, scale_dtype="float32"),
+    ],
+    ids=["full-cache", "no-sinks"],
+)
 def test_other_kivi_shapes_match_reference(spec):
     """The full KIVI cache (the greedy test's and the CLI's default shape: every flushed
     token kept) and a window without sinks (the memory test's shape)."""
@@ -156,10 +168,15 @@ def test_other_kivi_shapes_match_reference(spec):
     assert held == ref_held
 
 
-@pytest.mark.parametrize("g,keys,values,positions", [
-    (4, "int4", "int8", "cache"), (8, "int2", "fp16", "absolute"), (4, "fp16", "int4", "absolute"),
-    (8, "bf16", "int2", "cache"),
-])
+@pytest.mark.parametrize(
+    "g,keys,values,positions",
+    [
+        (4, "int4", "int8", "cache"),
+        (8, "int2", "fp16", "absolute"),
+        (4, "fp16", "int4", "absolute"),
+        (8, "bf16", "int2", "cache"),
+    ],
+)
 def test_separate_key_and_value_precision_matches_reference_across_three_wraps(g, keys, values, positions):
     """Keys and values of their own precision (issue 15): each side quantised with its own
     bits (the group size and residual are the cache's), or a float side stored as floats of
@@ -199,10 +216,16 @@ def test_residual_and_sinks_in_half_precision_match_reference(dtype, mode, posit
     assert {x.dtype for x in (cache.sink_k, cache.sink_v, cache.ring_k, cache.ring_v)} == {jnp.dtype(container)}
 
 
-@pytest.mark.parametrize("g,mode,positions,pre_rope,hadamard", [
-    (8, "int2", "absolute", True, "none"), (4, "int4", "absolute", True, "values"), (8, "int2", "absolute", False, "keys"),
-    (4, "int4", "absolute", False, "both"), (4, "int2", "cache", False, "values"),
-])
+@pytest.mark.parametrize(
+    "g,mode,positions,pre_rope,hadamard",
+    [
+        (8, "int2", "absolute", True, "none"),
+        (4, "int4", "absolute", True, "values"),
+        (8, "int2", "absolute", False, "keys"),
+        (4, "int4", "absolute", False, "both"),
+        (4, "int2", "cache", False, "values"),
+    ],
+)
 def test_pre_rope_keys_and_hadamard_match_reference_across_three_wraps(g, mode, positions, pre_rope, hadamard):
     """Issue 15's levers: keys stored before RoPE in absolute mode (rotated on read at their
     absolute position) and a Hadamard rotation before quantising (keys, values or both),
@@ -225,24 +248,33 @@ def test_hadamard_and_pre_rope_specs_refused_by_name():
     shape = dict(sink=2, window=16, group_size=4, residual=8)
     with pytest.raises(JaxkvError, match=r"^CacheSpec.hadamard='value': expected one of none, keys, values, both$"):
         CacheSpec(kv_quantize="int4", hadamard="value", **shape)
-    with pytest.raises(JaxkvError, match="hadamard='values' rotates the values before quantising them, but this cache "
-                                         "stores them as fp16: rotate int8/int4/int2 sides only"):
+    with pytest.raises(
+        JaxkvError,
+        match="hadamard='values' rotates the values before quantising them, but this cache "
+        "stores them as fp16: rotate int8/int4/int2 sides only",
+    ):
         CacheSpec(k_quantize="int2", v_quantize="fp16", hadamard="values", **shape)
-    with pytest.raises(JaxkvError, match="hadamard='both' rotates keys stored after RoPE, but positions='cache' stores"):
+    with pytest.raises(
+        JaxkvError, match="hadamard='both' rotates keys stored after RoPE, but positions='cache' stores"
+    ):
         CacheSpec(kv_quantize="int4", hadamard="both", positions="cache", **shape)
     with pytest.raises(JaxkvError, match="hadamard='keys' rotates keys stored after RoPE, but pre_rope_keys stores"):
         CacheSpec(kv_quantize="int4", hadamard="keys", pre_rope_keys=True, **shape)
     with pytest.raises(JaxkvError, match=r"^CacheSpec.pre_rope_keys='yes': expected True or False$"):
         CacheSpec(pre_rope_keys="yes", **shape)
     with pytest.raises(JaxkvError, match="a Hadamard rotation needs a head_dim that is a power of two .*: got 24"):
-        KVCache.create(CacheSpec(kv_quantize="int4", hadamard="values", **shape), batch=1, n_layers=1, n_kv_heads=1,
-                       head_dim=24)
+        KVCache.create(
+            CacheSpec(kv_quantize="int4", hadamard="values", **shape), batch=1, n_layers=1, n_kv_heads=1, head_dim=24
+        )
     # positions="cache" always stores keys before RoPE: one spec, saved as before
     from jaxkv.cache.checkpoint import _spec_fields
 
     assert CacheSpec(positions="cache", pre_rope_keys=True, **shape) == CacheSpec(positions="cache", **shape)
     assert "pre_rope_keys" not in _spec_fields(CacheSpec(positions="cache", **shape))
-    assert _spec_fields(CacheSpec(pre_rope_keys=True, kv_quantize="int2", hadamard="values", **shape))["hadamard"] == "values"
+    assert (
+        _spec_fields(CacheSpec(pre_rope_keys=True, kv_quantize="int2", hadamard="values", **shape))["hadamard"]
+        == "values"
+    )
 
 
 def test_kv_quantize_sets_both_sides_and_keeps_todays_cache():
@@ -254,44 +286,89 @@ def test_kv_quantize_sets_both_sides_and_keeps_todays_cache():
 
     shape = dict(sink=2, window=16, group_size=4, residual=8)
     int4 = CacheSpec(kv_quantize="int4", **shape)
-    assert int4 == CacheSpec(k_quantize="int4", v_quantize="int4", **shape) == CacheSpec(kv_quantize="int4", k_quantize="int4", **shape)
+    assert (
+        int4
+        == CacheSpec(k_quantize="int4", v_quantize="int4", **shape)
+        == CacheSpec(kv_quantize="int4", k_quantize="int4", **shape)
+    )
     assert int4.kv_modes == ("int4", "int4") and int4.bits == 4
     assert CacheSpec(k_quantize="fp32", v_quantize="fp32", **shape) == CacheSpec(**shape)
     assert CacheSpec(**shape).storage == FloatStorage(kind="fp32")
     mixed = CacheSpec(k_quantize="int2", v_quantize="int4", **shape)
     assert mixed == CacheSpec(kv_quantize="int4", k_quantize="int2", **shape) and hash(mixed) == hash(
-        CacheSpec(kv_quantize="int4", k_quantize="int2", **shape))
+        CacheSpec(kv_quantize="int4", k_quantize="int2", **shape)
+    )
     assert mixed.kv_modes == ("int2", "int4") and (mixed.storage.key_bits, mixed.storage.value_bits) == (2, 4)
     with pytest.raises(JaxkvError, match="keys as int2 and values as int4: ask for key_bits or value_bits"):
         _ = mixed.bits
-    assert set(_spec_fields(int4)) == {"max_len", "sink", "window", "kv_quantize", "group_size", "residual", "positions",
-                                       "scale_dtype"}
+    assert set(_spec_fields(int4)) == {
+        "max_len",
+        "sink",
+        "window",
+        "kv_quantize",
+        "group_size",
+        "residual",
+        "positions",
+        "scale_dtype",
+    }
     assert _spec_fields(mixed)["k_quantize"] == "int2" and "residual_dtype" not in _spec_fields(mixed)
-    layout = [(name, x.dtype.name, x.shape) for name, x in named_leaves(KVCache.create(int4, batch=1, n_layers=2, n_kv_heads=1, head_dim=8))]
-    assert layout == [
-        ("cache.length", "int32", (1,)), ("cache.sink_k", "float32", (2, 1, 1, 2, 8)), ("cache.sink_v", "float32", (2, 1, 1, 2, 8)),
-        ("cache.sink_pos", "int32", (1, 2)), ("cache.ring_k", "float32", (2, 1, 1, 8, 8)), ("cache.ring_v", "float32", (2, 1, 1, 8, 8)),
-        ("cache.ring_pos", "int32", (1, 8)), ("cache.quant.k_codes", "uint8", (2, 1, 1, 16, 4)),
-        ("cache.quant.k_scale", "float16", (2, 1, 1, 4, 8)), ("cache.quant.k_zero", "float16", (2, 1, 1, 4, 8)),
-        ("cache.quant.v_codes", "uint8", (2, 1, 1, 16, 4)), ("cache.quant.v_scale", "float16", (2, 1, 1, 16)),
-        ("cache.quant.v_zero", "float16", (2, 1, 1, 16)), ("cache.quant.pos", "int32", (1, 16)),
+    layout = [
+        (name, x.dtype.name, x.shape)
+        for name, x in named_leaves(KVCache.create(int4, batch=1, n_layers=2, n_kv_heads=1, head_dim=8))
     ]
-    names = [name for name, _ in named_leaves(KVCache.create(CacheSpec(k_quantize="int2", v_quantize="bf16", **shape),
-                                                             batch=1, n_layers=2, n_kv_heads=1, head_dim=8))]
-    assert names[7:] == ["cache.quant.k_codes", "cache.quant.k_scale", "cache.quant.k_zero", "cache.quant.pos", "cache.quant.v_float"]
+    assert layout == [
+        ("cache.length", "int32", (1,)),
+        ("cache.sink_k", "float32", (2, 1, 1, 2, 8)),
+        ("cache.sink_v", "float32", (2, 1, 1, 2, 8)),
+        ("cache.sink_pos", "int32", (1, 2)),
+        ("cache.ring_k", "float32", (2, 1, 1, 8, 8)),
+        ("cache.ring_v", "float32", (2, 1, 1, 8, 8)),
+        ("cache.ring_pos", "int32", (1, 8)),
+        ("cache.quant.k_codes", "uint8", (2, 1, 1, 16, 4)),
+        ("cache.quant.k_scale", "float16", (2, 1, 1, 4, 8)),
+        ("cache.quant.k_zero", "float16", (2, 1, 1, 4, 8)),
+        ("cache.quant.v_codes", "uint8", (2, 1, 1, 16, 4)),
+        ("cache.quant.v_scale", "float16", (2, 1, 1, 16)),
+        ("cache.quant.v_zero", "float16", (2, 1, 1, 16)),
+        ("cache.quant.pos", "int32", (1, 16)),
+    ]
+    names = [
+        name
+        for name, _ in named_leaves(
+            KVCache.create(
+                CacheSpec(k_quantize="int2", v_quantize="bf16", **shape), batch=1, n_layers=2, n_kv_heads=1, head_dim=8
+            )
+        )
+    ]
+    assert names[7:] == [
+        "cache.quant.k_codes",
+        "cache.quant.k_scale",
+        "cache.quant.k_zero",
+        "cache.quant.pos",
+        "cache.quant.v_float",
+    ]
 
 
 def test_mixed_and_half_residual_specs_refused_by_name():
     shape = dict(sink=2, window=16, group_size=4, residual=8)
-    with pytest.raises(JaxkvError, match=r"^CacheSpec.k_quantize='int3': expected one of fp32, fp16, bf16, int8, int4, int2$"):
+    with pytest.raises(
+        JaxkvError, match=r"^CacheSpec.k_quantize='int3': expected one of fp32, fp16, bf16, int8, int4, int2$"
+    ):
         CacheSpec(k_quantize="int3", **shape)
-    with pytest.raises(JaxkvError, match=r"^CacheSpec.residual_dtype='float16' is for a quantised cache \(int8, int4 or int2 "
-                                         r"keys or values\): this one stores keys as fp16 and values as bf16"):
+    with pytest.raises(
+        JaxkvError,
+        match=r"^CacheSpec.residual_dtype='float16' is for a quantised cache \(int8, int4 or int2 "
+        r"keys or values\): this one stores keys as fp16 and values as bf16",
+    ):
         CacheSpec(k_quantize="fp16", v_quantize="bf16", residual_dtype="float16", **shape)
-    with pytest.raises(JaxkvError, match="window=10 is not a multiple of group_size=4"):  # KIVI's rules: one side quantised
+    with pytest.raises(
+        JaxkvError, match="window=10 is not a multiple of group_size=4"
+    ):  # KIVI's rules: one side quantised
         CacheSpec(sink=2, window=10, group_size=4, residual=4, k_quantize="fp16", v_quantize="int2")
     with pytest.raises(JaxkvError, match="head_dim=6 is not a multiple of 4, the int2 codes per byte"):
-        KVCache.create(CacheSpec(k_quantize="int8", v_quantize="int2", **shape), batch=1, n_layers=1, n_kv_heads=1, head_dim=6)
+        KVCache.create(
+            CacheSpec(k_quantize="int8", v_quantize="int2", **shape), batch=1, n_layers=1, n_kv_heads=1, head_dim=6
+        )
 
 
 def test_effective_bits_per_element_by_hand():
@@ -304,11 +381,13 @@ def test_effective_bits_per_element_by_hand():
     from jaxkv.cache.memory import element_bits, memory_report
 
     shape = dict(sink=4, window=64, group_size=32, residual=32)
-    for storage, store_bits, bits in [(dict(kv_quantize="int4"), 6.5, 15.68),
-                                      (dict(kv_quantize="int4", residual_dtype="float16"), 6.5, 9.92),
-                                      (dict(kv_quantize="int4", residual_dtype="bfloat16"), 6.5, 9.92),
-                                      (dict(k_quantize="int2", v_quantize="fp16"), 9.5, 17.6),
-                                      (dict(kv_quantize="fp16"), None, 16.0)]:
+    for storage, store_bits, bits in [
+        (dict(kv_quantize="int4"), 6.5, 15.68),
+        (dict(kv_quantize="int4", residual_dtype="float16"), 6.5, 9.92),
+        (dict(kv_quantize="int4", residual_dtype="bfloat16"), 6.5, 9.92),
+        (dict(k_quantize="int2", v_quantize="fp16"), 9.5, 17.6),
+        (dict(kv_quantize="fp16"), None, 16.0),
+    ]:
         spec = CacheSpec(**shape, **storage)
         cache = KVCache.create(spec, batch=2, n_layers=3, n_kv_heads=2, head_dim=8)
         rep = memory_report(cache)
@@ -316,10 +395,21 @@ def test_effective_bits_per_element_by_hand():
         assert rep.store_bits == pytest.approx(store_bits, abs=1e-12) if store_bits else rep.store_bits is None, storage
         assert rep.bits_per_element == pytest.approx(bits, abs=1e-12), storage
     assert rep.summary().endswith("; 16.00 bits/element")
-    half = memory_report(KVCache.create(CacheSpec(**shape, kv_quantize="int4", residual_dtype="float16"), batch=1,
-                                        n_layers=1, n_kv_heads=1, head_dim=8))
-    assert half.allocated["residual"] == 2 * 32 * 8 * 2 and half.allocated["sinks"] == 2 * 4 * 8 * 2  # float16: half of today's
-    assert half.summary().endswith("; 6.50 bits/element in the quantised store (codes + scales + zeros), 9.92 with residual and sinks")
+    half = memory_report(
+        KVCache.create(
+            CacheSpec(**shape, kv_quantize="int4", residual_dtype="float16"),
+            batch=1,
+            n_layers=1,
+            n_kv_heads=1,
+            head_dim=8,
+        )
+    )
+    assert (
+        half.allocated["residual"] == 2 * 32 * 8 * 2 and half.allocated["sinks"] == 2 * 4 * 8 * 2
+    )  # float16: half of today's
+    assert half.summary().endswith(
+        "; 6.50 bits/element in the quantised store (codes + scales + zeros), 9.92 with residual and sinks"
+    )
 
 
 def test_mixed_cache_saves_and_loads_bit_for_bit(tmp_path):
@@ -342,7 +432,12 @@ def test_mixed_cache_saves_and_loads_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize(
     "g,mode,positions,chunk",
-    [(4, "int4", "cache", 8), (8, "int2", "absolute", 5), (4, "int8", "absolute", 4), (8, "int2+levers", "absolute", 8)],
+    [
+        (4, "int4", "cache", 8),
+        (8, "int2", "absolute", 5),
+        (4, "int8", "absolute", 4),
+        (8, "int2+levers", "absolute", 8),
+    ],
 )
 def test_chunked_prefill_equals_token_by_token(g, mode, positions, chunk, chunked):
     """A prompt ~4x the cache's capacity, streamed in chunks that never cross a flush; with
@@ -440,8 +535,14 @@ def test_flush_timing_and_groups_never_requantised():
             # every slot (token slot, and group slot for key scales) not rewritten is bit-identical
             keep = ~changed
             keep_groups = ~changed.reshape(-1, g).any(axis=1)
-            for name, mask in [("k_codes", keep), ("v_codes", keep), ("v_scale", keep), ("v_zero", keep),
-                               ("k_scale", keep_groups), ("k_zero", keep_groups)]:
+            for name, mask in [
+                ("k_codes", keep),
+                ("v_codes", keep),
+                ("v_scale", keep),
+                ("v_zero", keep),
+                ("k_scale", keep_groups),
+                ("k_zero", keep_groups),
+            ]:
                 old, new = getattr(prev.quant, name)[:, b], getattr(c.quant, name)[:, b]
                 bits_of = lambda a: np.ascontiguousarray(a[:, :, mask]).view(np.uint8)  # noqa: E731, B023
                 np.testing.assert_array_equal(bits_of(new), bits_of(old), err_msg=f"{name} row {b} step {step}")
@@ -479,8 +580,10 @@ def test_memory_at_2048_tokens_smollm2_shape(capsys):
         full[mode] = bf16 / rep.allocated_bytes
         assert r["ratio_vs_bf16"] >= floor and full[mode] >= floor, (mode, r["ratio_vs_bf16"], full[mode])
     with capsys.disabled():
-        print("\nbf16 / KIVI bytes at 2048 tokens (SmolLM2 shape, G=R=32): " + ", ".join(
-            f"{m} {rows[m]['ratio_vs_bf16']:.3f}x (full cache {full[m]:.3f}x)" for m in minimum))
+        print(
+            "\nbf16 / KIVI bytes at 2048 tokens (SmolLM2 shape, G=R=32): "
+            + ", ".join(f"{m} {rows[m]['ratio_vs_bf16']:.3f}x (full cache {full[m]:.3f}x)" for m in minimum)
+        )
 
 
 # --------------------------------------------------------------------------- 5. validation
@@ -502,8 +605,13 @@ def test_bad_specs_name_the_value():
         spec = CacheSpec(window=16, kv_quantize=mode, group_size=4, residual=4)
         with pytest.raises(JaxkvError, match=f"head_dim={head_dim} is not a multiple of {8 // BITS[mode]}"):
             KVCache.create(spec, batch=1, n_layers=1, n_kv_heads=1, head_dim=head_dim)
-    KVCache.create(CacheSpec(window=16, kv_quantize="int2", group_size=4, residual=4), batch=1, n_layers=1,
-                   n_kv_heads=1, head_dim=8)  # 8 % 4 == 0: fine
+    KVCache.create(
+        CacheSpec(window=16, kv_quantize="int2", group_size=4, residual=4),
+        batch=1,
+        n_layers=1,
+        n_kv_heads=1,
+        head_dim=8,
+    )  # 8 % 4 == 0: fine
 
 
 # ------------------------------------------------------------------------ 6. greedy (slow)
@@ -524,10 +632,14 @@ def test_greedy_prefix_match_with_fp32_cache(name, request, capsys):
     assert result["modes"]["int8"]["mean"] >= 0.99, result["modes"]["int8"]["per_prompt"]
 
 
-@pytest.mark.parametrize("spec", [
-    CacheSpec(sink=4, window=512, kv_quantize="int4", group_size=32, residual=32),
-    CacheSpec(sink=4, window=512, kv_quantize="int2", group_size=32, residual=32, positions="cache"),
-], ids=lambda s: s.describe())
+@pytest.mark.parametrize(
+    "spec",
+    [
+        CacheSpec(sink=4, window=512, kv_quantize="int4", group_size=32, residual=32),
+        CacheSpec(sink=4, window=512, kv_quantize="int2", group_size=32, residual=32, positions="cache"),
+    ],
+    ids=lambda s: s.describe(),
+)
 def test_decode_loop_attends_channel_blocks_never_the_whole_window(spec):
     """int4/int2 windows are dequantised and attended as 8 // bits channel blocks: the compiled
     decode loop holds float blocks [.., W, H/cpb] and never a dequantised (or rotated) window
@@ -535,6 +647,9 @@ def test_decode_loop_attends_channel_blocks_never_the_whole_window(spec):
     model = tiny_model(head_dim=64)
     c = model.config
     hlo = decode_loop_hlo(model, spec)
-    windows = [shape for _, dtype, shape in materialised_buffers(hlo)
-               if dtype in ("f16", "bf16", "f32") and len(shape) >= 2 and shape[-2] == spec.window]
+    windows = [
+        shape
+        for _, dtype, shape in materialised_buffers(hlo)
+        if dtype in ("f16", "bf16", "f32") and len(shape) >= 2 and shape[-2] == spec.window
+    ]
     assert windows and all(shape[-1] < c.head_dim for shape in windows), windows

@@ -170,7 +170,11 @@ def test_channel_blocks_concatenate_to_the_array(bits):
         (kivi.quantize_affine(x, bits=bits, axis=-1), dict(axis=-1), cpb),  # values: one group over H
         (kivi.quantize_affine(x, bits=bits, axis=-1, group_size=4), dict(axis=-1, group_size=4), cpb),
         # groups of 8 along H straddle int2's 4-channel blocks: one block, the unpacked array
-        (kivi.quantize_affine(x, bits=bits, axis=-1, group_size=8), dict(axis=-1, group_size=8), 1 if bits == 2 else cpb),
+        (
+            kivi.quantize_affine(x, bits=bits, axis=-1, group_size=8),
+            dict(axis=-1, group_size=8),
+            1 if bits == 2 else cpb,
+        ),
     ]
     for qt, kw, n_blocks in cases:
         whole = np.asarray(kivi.dequantize_affine(qt, bits=bits, **kw))
@@ -193,9 +197,7 @@ def _roundtrip(x, bits, kind, scale_dtype):
 
 
 # One trace per (bits, kind, scale_dtype): 3 * 2 * 2 = 12 at most, over all examples.
-_roundtrip_jit = jax.jit(
-    chex.assert_max_traces(_roundtrip, n=12), static_argnames=("bits", "kind", "scale_dtype")
-)
+_roundtrip_jit = jax.jit(chex.assert_max_traces(_roundtrip, n=12), static_argnames=("bits", "kind", "scale_dtype"))
 
 
 @hypothesis.settings(max_examples=30, deadline=None, derandomize=True)
@@ -468,6 +470,9 @@ def test_rotated_values_round_trip_and_spread_an_outlier_channel(bits):
     back = np.asarray(kivi.dequantize_values(qt, bits=bits, dtype=jnp.float32)) @ m
     err = np.linalg.norm(back - x, axis=-1)
     assert np.all(err <= np.sqrt(SHAPE[-1]) * np.asarray(qt.scale) / 2 * (1 + 1e-5))
-    plain = np.asarray(kivi.dequantize_values(kivi.quantize_values(jnp.asarray(x), bits=bits, scale_dtype=jnp.float32),
-                                              bits=bits, dtype=jnp.float32))
+    plain = np.asarray(
+        kivi.dequantize_values(
+            kivi.quantize_values(jnp.asarray(x), bits=bits, scale_dtype=jnp.float32), bits=bits, dtype=jnp.float32
+        )
+    )
     assert np.mean((back - x) ** 2) < 0.6 * np.mean((plain - x) ** 2)

@@ -132,14 +132,22 @@ def test_a_layered_cache_saves_and_loads(chunked, tmp_path):
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(cache)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(JaxkvError, match="another cache spec"):
-        load_cache(tmp_path / "c.safetensors", KVCache.create(LayerSpecs((WINDOW, KIVI)), batch=1, n_layers=2,
-                                                             n_kv_heads=2, head_dim=8))
+        load_cache(
+            tmp_path / "c.safetensors",
+            KVCache.create(LayerSpecs((WINDOW, KIVI)), batch=1, n_layers=2, n_kv_heads=2, head_dim=8),
+        )
 
 
 def test_a_local_layer_sees_exactly_the_models_window_even_beside_a_kivi_residual():
     spec = CacheSpec(sink=4, window=64, kv_quantize="int4", group_size=8, residual=16)
     local = spec.local(32)
-    assert (local.sink, local.window, local.attention_window, local.kv_quantize, local.residual) == (0, 32, 32, "int4", 16)
+    assert (local.sink, local.window, local.attention_window, local.kv_quantize, local.residual) == (
+        0,
+        32,
+        32,
+        "int4",
+        16,
+    )
     q, p = np.arange(300)[:, None], np.arange(300)[None, :]
     mask = np.asarray(local.policy.visible(q, p))
     np.testing.assert_array_equal(mask, (p <= q) & (p > q - 32))  # the query and the 31 before it
@@ -149,7 +157,10 @@ def test_a_local_layer_sees_exactly_the_models_window_even_beside_a_kivi_residua
     wide = np.asarray(dataclasses.replace(local, attention_window=None).policy.visible(q, p))
     assert wide.sum() > mask.sum() and np.all(wide >= mask)
     # the user's bound holds on local layers too; a full cache's local layers keep the model's window
-    assert CacheSpec(sink=4, window=8).local(16).window == 8 and CacheSpec(sink=4, window=8).local(16).attention_window == 16
+    assert (
+        CacheSpec(sink=4, window=8).local(16).window == 8
+        and CacheSpec(sink=4, window=8).local(16).attention_window == 16
+    )
     assert (CacheSpec(max_len=100).local(16).window, CacheSpec(max_len=10).local(16).window) == (16, 10)
     with pytest.raises(JaxkvError, match="local layers keep its sliding window of 8 tokens: .*residual=16"):
         spec.local(8)

@@ -47,7 +47,9 @@ def test_token_by_token_equals_teacher_forced(stories, story_tokens):
     c = stories.config
     gd, st = nnx.split(stories.model)
     step = jax.jit(forward, static_argnums=0, donate_argnames="cache")
-    cache = KVCache.create(CacheSpec(max_len=64), batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+    cache = KVCache.create(
+        CacheSpec(max_len=64), batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim
+    )
     rows = []
     for t in story_tokens:
         logits, cache = step(gd, st, jnp.asarray([[t]], jnp.int32), jnp.asarray([1], jnp.int32), cache)
@@ -69,8 +71,20 @@ def test_stories260k_golden_greedy(golden, tokenizer):
 def test_cli_prints_golden_text(golden):
     g = golden["stories260K_greedy_from_bos"]
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxkv.cli", "sample", str(STORIES_BIN), "--tokenizer", str(TOK512_BIN), "--tokens", "200"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "jaxkv.cli",
+            "sample",
+            str(STORIES_BIN),
+            "--tokenizer",
+            str(TOK512_BIN),
+            "--tokens",
+            "200",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == g["expected_text"] + "\n"
@@ -92,7 +106,9 @@ def test_config_presets_match_the_real_checkpoints(stories, smollm2_config):
 
     preset = LlamaConfig.from_preset("stories260K")
     assert preset == dataclasses.replace(stories.config, name="stories260K")
-    assert LlamaConfig.from_preset("smollm2-135m") == dataclasses.replace(smollm2_config, name="smollm2-135m", norm_eps=1e-5)
+    assert LlamaConfig.from_preset("smollm2-135m") == dataclasses.replace(
+        smollm2_config, name="smollm2-135m", norm_eps=1e-5
+    )
     assert LlamaConfig.from_preset("llama-tiny").n_kv_heads == 2
     with pytest.raises(JaxkvError, match="llama-tiny"):
         LlamaConfig.from_preset("no-such-model")

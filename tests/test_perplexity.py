@@ -46,7 +46,9 @@ def one_pass_nll(loaded: LoadedModel, ids, pad: int | None = None) -> np.ndarray
     pad = pad or (128 if c.vocab_size == 64 else 256)
     assert len(ids) <= pad
     gd, st = nnx.split(loaded.model)
-    cache = KVCache.create(CacheSpec(max_len=pad), batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+    cache = KVCache.create(
+        CacheSpec(max_len=pad), batch=1, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim
+    )
     buf = np.zeros((1, pad), np.int32)
     buf[0, : len(ids)] = ids
     logits = _one_pass(gd, st, jnp.asarray(buf), jnp.asarray([len(ids)], jnp.int32), cache)
@@ -62,6 +64,7 @@ def story_ids(stories):
 
 
 # ---- full cache -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("chunk", [128, 8])
 def test_full_cache_perplexity_equals_one_forward_pass_tiny(chunk):
@@ -100,7 +103,9 @@ def streaming_ids(spec):
     return tokens_for(spec.sink + 4 * spec.window + 7, seed=3)  # four wraps and a partial chunk
 
 
-@pytest.mark.parametrize("spec,chunk", STREAMING, ids=lambda x: x.describe() if isinstance(x, CacheSpec) else f"chunk{x}")
+@pytest.mark.parametrize(
+    "spec,chunk", STREAMING, ids=lambda x: x.describe() if isinstance(x, CacheSpec) else f"chunk{x}"
+)
 def test_chunked_equals_token_by_token_across_wraps(spec, chunk):
     loaded = tiny_loaded(tokenizer=False)
     ids = streaming_ids(spec)
@@ -135,6 +140,7 @@ def test_token_by_token_nll_equals_reference_decoder():
 
 # ---- recomputation baseline -------------------------------------------------------------------
 
+
 def test_recompute_equals_full_cache_when_window_covers_text():
     loaded = tiny_loaded(tokenizer=False)
     ids = tokens_for(40, seed=6)
@@ -164,6 +170,7 @@ def test_recompute_contexts_plan():
 
 
 # ---- summaries and errors ---------------------------------------------------------------------
+
 
 def test_perplexity_by_range():
     nll = np.concatenate([np.full(512, 1.0), np.full(512, 2.0), np.full(100, 3.0)])
@@ -198,14 +205,27 @@ def test_errors_name_the_problem():
 
 # ---- CLI --------------------------------------------------------------------------------------
 
+
 def _ppl(*extra):
     return ["ppl", str(STORIES_BIN), "--tokenizer", str(TOK512_MODEL), *extra]
 
 
 def test_cli_ppl_prints_perplexity_and_writes_nll(stories, tmp_path, capsys):
     out_txt = tmp_path / "nll.txt"
-    rc = main(_ppl("--text", str(TEXT), "--tokens", "64", "--streaming-llm-sink", "4",
-                   "--streaming-llm-window", "28", "--nll-out", str(out_txt)))
+    rc = main(
+        _ppl(
+            "--text",
+            str(TEXT),
+            "--tokens",
+            "64",
+            "--streaming-llm-sink",
+            "4",
+            "--streaming-llm-window",
+            "28",
+            "--nll-out",
+            str(out_txt),
+        )
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     m = re.search(r"^perplexity (\d+\.\d+)", captured.out, re.M)
@@ -226,13 +246,16 @@ def test_cli_ppl_prints_perplexity_and_writes_nll(stories, tmp_path, capsys):
     np.testing.assert_allclose(np.load(out_npy), recompute_nll(stories, ids[:40], window=16), atol=1e-6)
 
 
-@pytest.mark.parametrize("content,args,message", [
-    ("", (), "the file is empty"),
-    ("  \n\n", (), "the file is empty"),
-    (None, (), "no such file"),
-    ("Once upon a time", ("--tokens", "1"), "--tokens 1"),
-    ("Once", ("--recompute-window", "8", "--kv-quantize", "int8"), "--recompute-window"),
-])
+@pytest.mark.parametrize(
+    "content,args,message",
+    [
+        ("", (), "the file is empty"),
+        ("  \n\n", (), "the file is empty"),
+        (None, (), "no such file"),
+        ("Once upon a time", ("--tokens", "1"), "--tokens 1"),
+        ("Once", ("--recompute-window", "8", "--kv-quantize", "int8"), "--recompute-window"),
+    ],
+)
 def test_cli_ppl_errors_are_one_line_exit_2(tmp_path, capsys, content, args, message):
     text = tmp_path / "t.txt"
     if content is not None:
@@ -245,12 +268,15 @@ def test_cli_ppl_errors_are_one_line_exit_2(tmp_path, capsys, content, args, mes
 
 # ---- real model, longer text --------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_stories260k_full_cache_perplexity_over_2048_tokens(stories):
     ids = stories.tokenizer.encode(TEXT.read_text(encoding="utf-8"))[:2048]
     nll = token_nll(stories, ids)
     mean = float(nll.mean())
-    print(f"\nstories260K, full cache, {len(ids)} tokens: mean NLL {mean:.4f} nats/token, perplexity {perplexity(nll):.4f}")
+    print(
+        f"\nstories260K, full cache, {len(ids)} tokens: mean NLL {mean:.4f} nats/token, perplexity {perplexity(nll):.4f}"
+    )
     for lo, hi, p, n in perplexity_by_range(nll):
         print(f"  [{lo}, {hi}): perplexity {p:.4f} ({n} tokens)")
     assert 1.0 <= mean <= 1.8

@@ -41,13 +41,25 @@ def kept(cache, row=0):
 KIVI = dict(kv_quantize="int4", group_size=4, residual=4, scale_dtype="float32")
 
 
-@pytest.mark.parametrize("rule,positions,storage", [
-    ("recent", "absolute", {}), ("h2o", "absolute", {}), ("tova", "absolute", {}),
-    ("recent", "cache", {}), ("h2o", "cache", {}), ("tova", "cache", {}), ("recent", "absolute", dict(keep_quantize="int4")),
-    ("tova", "absolute", dict(keep_quantize="int2", hadamard="both")), ("recent", "cache", dict(keep_quantize="int4", hadamard="values")),
-    ("h2o", "absolute", KIVI), ("tova", "cache", KIVI), ("recent", "cache", KIVI),
-    ("h2o", "absolute", dict(KIVI, hadamard="both")), ("tova", "absolute", dict(KIVI, residual_dtype="float16")),
-])
+@pytest.mark.parametrize(
+    "rule,positions,storage",
+    [
+        ("recent", "absolute", {}),
+        ("h2o", "absolute", {}),
+        ("tova", "absolute", {}),
+        ("recent", "cache", {}),
+        ("h2o", "cache", {}),
+        ("tova", "cache", {}),
+        ("recent", "absolute", dict(keep_quantize="int4")),
+        ("tova", "absolute", dict(keep_quantize="int2", hadamard="both")),
+        ("recent", "cache", dict(keep_quantize="int4", hadamard="values")),
+        ("h2o", "absolute", KIVI),
+        ("tova", "cache", KIVI),
+        ("recent", "cache", KIVI),
+        ("h2o", "absolute", dict(KIVI, hadamard="both")),
+        ("tova", "absolute", dict(KIVI, residual_dtype="float16")),
+    ],
+)
 def test_decode_matches_the_reference_tier_slot_by_slot(rule, positions, storage):
     """Token by token over five window lengths, on a float window and on a KIVI int4 window
     (whose evicted groups join the tier dequantised): logits to 2e-5 (5e-4 with a quantised
@@ -68,7 +80,9 @@ def test_decode_matches_the_reference_tier_slot_by_slot(rule, positions, storage
         expected = ref.step(tok)
         np.testing.assert_allclose(np.asarray(logits[0, 0]), expected, atol=atol, rtol=0)
         assert kept(cache) == sorted(ref.kept()), f"after token {i}"
-    assert len(kept(cache)) == 6 and int(cache.stored()[0]) == 2 + 8 + 6 + (int(cache.ring_pos[0].__ge__(0).sum()) if spec.quantized else 0)
+    assert len(kept(cache)) == 6 and int(cache.stored()[0]) == 2 + 8 + 6 + (
+        int(cache.ring_pos[0].__ge__(0).sum()) if spec.quantized else 0
+    )
     if rule != "recent":
         slots = np.asarray(cache.keep.pos[0])
         got = {int(p): float(s) for p, s in zip(slots, np.asarray(cache.keep.score[0]))}
@@ -103,8 +117,10 @@ def _observer_mass(model, prompt):
     return total
 
 
-@pytest.mark.parametrize("positions,storage", [("absolute", {}), ("cache", {}),
-                                               ("cache", dict(kv_quantize="int4", group_size=4, residual=8))])
+@pytest.mark.parametrize(
+    "positions,storage",
+    [("absolute", {}), ("cache", {}), ("cache", dict(kv_quantize="int4", group_size=4, residual=8))],
+)
 def test_snapkv_keeps_the_top_pooled_prompt_tokens(positions, storage):
     """SnapKV: the observation scores equal the reference's full-attention mass of the last 32
     queries (1e-4); the tier holds exactly the top-C by max-pooled score among the prompt tokens
@@ -144,16 +160,30 @@ def test_a_model_that_does_not_pass_the_mass_is_told_how():
         cache.commit(step, jnp.stack([ks, ks]), jnp.stack([vs, vs]))
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(max_len=64, keep=8), r"keep=8 keeps tokens that leave a window, but this is a full cache"),
-    (dict(sink=4, window=64, keep=8, kv_quantize="int4", residual=32, keep_quantize="int2"),
-     r"keep_quantize='int2' would quantise a KIVI window's tokens a second time"),
-    (dict(sink=4, window=64, keep_score="tova"), r"keep_score='tova' chooses the tokens of a keep tier, but keep=0 keeps none"),
-    (dict(sink=4, window=64, keep_quantize="int2"), r"keep_quantize='int2' is the keep tier's storage, but keep=0 keeps none"),
-    (dict(sink=4, window=64, keep=8, keep_score="lru"), r"keep_score='lru': expected one of recent, h2o, tova, snapkv"),
-    (dict(sink=4, window=64, keep=-1), r"keep"),
-    (dict(max_len=64, keep_score="snapkv"), r"keep_score='snapkv' on a full cache"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_len=64, keep=8), r"keep=8 keeps tokens that leave a window, but this is a full cache"),
+        (
+            dict(sink=4, window=64, keep=8, kv_quantize="int4", residual=32, keep_quantize="int2"),
+            r"keep_quantize='int2' would quantise a KIVI window's tokens a second time",
+        ),
+        (
+            dict(sink=4, window=64, keep_score="tova"),
+            r"keep_score='tova' chooses the tokens of a keep tier, but keep=0 keeps none",
+        ),
+        (
+            dict(sink=4, window=64, keep_quantize="int2"),
+            r"keep_quantize='int2' is the keep tier's storage, but keep=0 keeps none",
+        ),
+        (
+            dict(sink=4, window=64, keep=8, keep_score="lru"),
+            r"keep_score='lru': expected one of recent, h2o, tova, snapkv",
+        ),
+        (dict(sink=4, window=64, keep=-1), r"keep"),
+        (dict(max_len=64, keep_score="snapkv"), r"keep_score='snapkv' on a full cache"),
+    ],
+)
 def test_bad_keep_specs_are_refused_by_name(kwargs, match):
     with pytest.raises(JaxkvError, match=match):
         CacheSpec(**kwargs)
@@ -185,8 +215,12 @@ def test_per_layer_specs_keep_their_own_tier_and_snapkv_is_refused_there():
 
     loaded = tiny_loaded()
     plain = CacheSpec(sink=2, window=8)
-    cache, _ = prefill(loaded, model_cache(loaded.config, LayerSpecs((CacheSpec(sink=2, window=8, keep=4, keep_score="h2o"),
-                                                                      plain)), 1), [tokens_for(39)], chunk=8)
+    cache, _ = prefill(
+        loaded,
+        model_cache(loaded.config, LayerSpecs((CacheSpec(sink=2, window=8, keep=4, keep_score="h2o"), plain)), 1),
+        [tokens_for(39)],
+        chunk=8,
+    )
     assert len(kept(cache.groups[0])) == 4 and cache.groups[1].keep is None
     assert int(cache.groups[0].stored()[0]) == 2 + 8 + 4 and int(cache.groups[1].stored()[0]) == 2 + 8
     snap = LayerSpecs((CacheSpec(sink=2, window=8, keep=4, keep_score="snapkv"), plain))

@@ -53,7 +53,9 @@ def unit_tokens(tokenizer, task: str) -> int:
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("which", ["smollm2", "smollm2-chat", "tok512", "tiny"])
 def test_prompt_has_the_asked_length_and_depth(smol_tokenizer, task, which):
-    tokenizer = {"tok512": lambda: load_tokenizer(TOK512_MODEL), "tiny": tiny_tokenizer}.get(which, lambda: smol_tokenizer)()
+    tokenizer = {"tok512": lambda: load_tokenizer(TOK512_MODEL), "tiny": tiny_tokenizer}.get(
+        which, lambda: smol_tokenizer
+    )()
     chat = which.endswith("chat")
     unit = unit_tokens(tokenizer, task)
     if which == "smollm2":
@@ -65,8 +67,11 @@ def test_prompt_has_the_asked_length_and_depth(smol_tokenizer, task, which):
             filler = (p.haystack[1] - p.haystack[0]) - (p.needle[1] - p.needle[0])
             assert abs(p.token_depth - depth) <= unit / filler + 1e-9, (depth, p.token_depth)
             needle = tokenizer.decode(p.ids[p.needle[0] : p.needle[1]]).strip().lower()
-            expected = (re.escape(PASSKEY_NEEDLE.format(key=p.answer)) if task == "passkey"
-                        else rf"line [a-z]+-[a-z]+: register_content is <{p.answer}>")
+            expected = (
+                re.escape(PASSKEY_NEEDLE.format(key=p.answer))
+                if task == "passkey"
+                else rf"line [a-z]+-[a-z]+: register_content is <{p.answer}>"
+            )
             assert re.fullmatch(expected.lower(), needle), needle
             assert len(p.answer) == 5 and p.answer.isdigit()
             stub = "The pass key is" if task == "passkey" else "REGISTER_CONTENT is <"
@@ -89,19 +94,24 @@ def test_lines_record_asks_for_the_line_at_its_depth(smol_tokenizer):
 
 
 def test_seeds_fix_the_key_at_every_length_and_depth(smol_tokenizer):
-    keys = {s: {retrieval_prompt(smol_tokenizer, "passkey", n, d, s).answer for n in (300, 900) for d in (0, 1)} for s in range(4)}
+    keys = {
+        s: {retrieval_prompt(smol_tokenizer, "passkey", n, d, s).answer for n in (300, 900) for d in (0, 1)}
+        for s in range(4)
+    }
     assert all(len(k) == 1 for k in keys.values()) and len({k.pop() for k in keys.values()}) == 4
     a, b = (retrieval_prompt(smol_tokenizer, "lines", 800, 0.5, 7) for _ in range(2))
     assert a == b and isinstance(a, RetrievalPrompt)
 
 
 def test_prompt_errors_name_the_value(smol_tokenizer):
-    for kwargs, message in [(dict(task="needle"), "task 'needle': expected one of passkey, lines"),
-                            (dict(depth=1.5), "depth 1.5: expected a number in [0, 1]"),
-                            (dict(depth=True), "depth True: expected a number"),
-                            (dict(length=0), "length=0: expected an integer >= 1"),
-                            (dict(seed=-1), "seed=-1: expected an integer >= 0"),
-                            (dict(length=40), "length=40: the passkey prompt needs at least")]:
+    for kwargs, message in [
+        (dict(task="needle"), "task 'needle': expected one of passkey, lines"),
+        (dict(depth=1.5), "depth 1.5: expected a number in [0, 1]"),
+        (dict(depth=True), "depth True: expected a number"),
+        (dict(length=0), "length=0: expected an integer >= 1"),
+        (dict(seed=-1), "seed=-1: expected an integer >= 0"),
+        (dict(length=40), "length=40: the passkey prompt needs at least"),
+    ]:
         args = dict(tokenizer=smol_tokenizer, task="passkey", length=600, depth=0.5, seed=0) | kwargs
         with pytest.raises(JaxkvError, match=re.escape(message)):
             retrieval_prompt(**args)
@@ -156,7 +166,11 @@ def test_evaluation_errors():
         (dict(depths=[0.5, -0.1]), JaxkvError, "depth -0.1: expected a number in [0, 1]"),
         (dict(seeds=0), JaxkvError, "seeds=0: expected an integer >= 1"),
         (dict(task="lines", lengths=[100]), JaxkvError, "the lines prompt needs at least"),
-        (dict(spec=CacheSpec(max_len=256)), CacheFullError, "full cache of max_len=256 cannot hold a passkey prompt of length 300"),
+        (
+            dict(spec=CacheSpec(max_len=256)),
+            CacheFullError,
+            "full cache of max_len=256 cannot hold a passkey prompt of length 300",
+        ),
     ]:
         with pytest.raises(error, match=re.escape(message)):
             retrieval_accuracy(model, **(dict(lengths=[300]) | kwargs))
@@ -176,20 +190,23 @@ def cli(capsys, *argv):
     return code, out, err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--lengths", "512,abc"], "--lengths 512,abc: expected integers >= 1 separated by commas, e.g. 512,1024"),
-    (["--lengths", "0,512"], "--lengths 0,512: expected integers >= 1 separated by commas, e.g. 512,1024"),
-    (["--depths", "0,1.5"], "--depths 0,1.5: expected numbers in [0, 1] separated by commas, e.g. 0,0.5,1"),
-    (["--depths", "x"], "--depths x: expected numbers in [0, 1] separated by commas, e.g. 0,0.5,1"),
-    (["--seeds", "0"], "--seeds 0: expected an integer >= 1"),
-    (["--tokens", "0"], "--tokens 0: expected an integer >= 1"),
-    (["--batch-size", "0"], "--batch-size 0: expected an integer >= 1"),
-    (["--max-len", "4096"], "--max-len 4096: jaxkv eval sizes a full cache for each length; leave it out"),
-    (["--streaming-llm-sink", "4"], "--streaming-llm-sink 4 needs --streaming-llm-window M"),
-    (["--weights", "q3"], "--weights q3: expected one of"),
-    (["--json", "/no/such/dir/r.json"], "--json /no/such/dir/r.json: no such folder /no/such/dir"),
-    (["--lengths", "20"], "length=20: the passkey prompt needs at least"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lengths", "512,abc"], "--lengths 512,abc: expected integers >= 1 separated by commas, e.g. 512,1024"),
+        (["--lengths", "0,512"], "--lengths 0,512: expected integers >= 1 separated by commas, e.g. 512,1024"),
+        (["--depths", "0,1.5"], "--depths 0,1.5: expected numbers in [0, 1] separated by commas, e.g. 0,0.5,1"),
+        (["--depths", "x"], "--depths x: expected numbers in [0, 1] separated by commas, e.g. 0,0.5,1"),
+        (["--seeds", "0"], "--seeds 0: expected an integer >= 1"),
+        (["--tokens", "0"], "--tokens 0: expected an integer >= 1"),
+        (["--batch-size", "0"], "--batch-size 0: expected an integer >= 1"),
+        (["--max-len", "4096"], "--max-len 4096: jaxkv eval sizes a full cache for each length; leave it out"),
+        (["--streaming-llm-sink", "4"], "--streaming-llm-sink 4 needs --streaming-llm-window M"),
+        (["--weights", "q3"], "--weights q3: expected one of"),
+        (["--json", "/no/such/dir/r.json"], "--json /no/such/dir/r.json: no such folder /no/such/dir"),
+        (["--lengths", "20"], "length=20: the passkey prompt needs at least"),
+    ],
+)
 def test_bad_values_one_line_exit_2(capsys, flags, message):
     code, out, err = cli(capsys, "eval", "passkey", *STORIES, *flags)
     assert code == 2 and out == "" and err.startswith("jaxkv: error: ") and err.count("\n") == 1, err
@@ -203,8 +220,24 @@ def test_an_unknown_task_is_refused_with_the_usage(capsys):
 
 def test_cli_prints_the_table_and_writes_json(capsys, tmp_path):
     out_json = tmp_path / "r.json"
-    code, out, err = cli(capsys, "eval", "passkey", *STORIES, "--lengths", "200,300", "--depths", "0,1", "--seeds", "1",
-                         "--streaming-llm-sink", "4", "--streaming-llm-window", "124", "--json", str(out_json))
+    code, out, err = cli(
+        capsys,
+        "eval",
+        "passkey",
+        *STORIES,
+        "--lengths",
+        "200,300",
+        "--depths",
+        "0,1",
+        "--seeds",
+        "1",
+        "--streaming-llm-sink",
+        "4",
+        "--streaming-llm-window",
+        "124",
+        "--json",
+        str(out_json),
+    )
     assert code == 0, err
     res = json.loads(out_json.read_text())
     assert res["lengths"] == [200, 300] and res["depths"] == [0.0, 1.0] and res["task"] == "passkey"

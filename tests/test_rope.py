@@ -30,10 +30,15 @@ def test_attention_scores_depend_on_relative_positions_only_even_past_2_24():
     rng = np.random.default_rng(1)
     q, k = rng.standard_normal((2, 8, 64)).astype(np.float32)
     rel = np.arange(8, dtype=np.int32) * 37
-    near = np.einsum("ih,jh->ij", np.asarray(apply_rope(q, rel + 500, theta=1e4)), np.asarray(apply_rope(k, rel, theta=1e4)))
+    near = np.einsum(
+        "ih,jh->ij", np.asarray(apply_rope(q, rel + 500, theta=1e4)), np.asarray(apply_rope(k, rel, theta=1e4))
+    )
     for base in (2**24, 2**24 + 1, 2**30 + 5):
-        far = np.einsum("ih,jh->ij", np.asarray(apply_rope(q, rel + 500 + base, theta=1e4)),
-                        np.asarray(apply_rope(k, rel + base, theta=1e4)))
+        far = np.einsum(
+            "ih,jh->ij",
+            np.asarray(apply_rope(q, rel + 500 + base, theta=1e4)),
+            np.asarray(apply_rope(k, rel + base, theta=1e4)),
+        )
         np.testing.assert_allclose(far, near, atol=2e-3)  # scores ~N(0, 64): 2e-3 is float32 rounding
 
 
@@ -41,8 +46,11 @@ def test_scaled_frequencies_follow_their_formulas():
     plain = np.asarray(Rope.default(500000.0, 64).inv_freq)
     np.testing.assert_allclose(plain, 1.0 / 500000.0 ** (np.arange(32) * 2 / 64), rtol=1e-15)
     np.testing.assert_allclose(Rope.linear(500000.0, 64, 4.0).inv_freq, plain / 4.0, rtol=1e-15)
-    llama3 = np.asarray(Rope.llama3(500000.0, 64, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                    original_max_position_embeddings=8192).inv_freq)
+    llama3 = np.asarray(
+        Rope.llama3(
+            500000.0, 64, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+        ).inv_freq
+    )
     wavelen = 2 * np.pi / plain
     np.testing.assert_allclose(llama3[wavelen < 8192 / 4], plain[wavelen < 8192 / 4])  # high frequencies kept
     np.testing.assert_allclose(llama3[wavelen > 8192], plain[wavelen > 8192] / 8.0)  # low ones divided by factor

@@ -44,20 +44,27 @@ def test_boosted_equals_the_hand_made_layer_specs():
     assert resolve_cache(boosted, 100) is boosted
 
 
-@pytest.mark.parametrize("args, message", [
-    ((INT2, 4, (0, 4)), "LayerSpecs.boosted: layers 0,4: layer 4 is out of range: the model has 4 layers (0-3)"),
-    ((INT2, 4, (-1,)), "layer -1 is out of range"),
-    ((INT2, 4, (1, 3, 1)), "LayerSpecs.boosted: layers 1,3,1: layer 1 is given twice"),
-    ((INT2, 4, ()), "expected one or more layer indices in [0, 4)"),
-    ((INT2, 4, (0,), "int3"), "LayerSpecs.boosted: mode int3: expected one of fp32, fp16, bf16, int8, int4, int2"),
-    ((CacheSpec(max_len=8), 4, (0,)), "mode int8 does not raise the precision of the cache's fp32 keys and values "
-                                      "(nothing to boost)"),
-    ((INT8, 4, (0,)), "mode int8 does not raise the precision of the cache's int8 keys and values"),
-    ((INT8, 4, (0,), "int4"), "mode int4 does not raise"),
-    ((CacheSpec(k_quantize="int2", v_quantize="fp16", **KIVI), 4, (0,)),
-     "mode int8 does not raise the precision of the cache's int2 keys and fp16 values"),
-    ((INT2, 0, (0,)), "LayerSpecs.boosted: n_layers=0: expected an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((INT2, 4, (0, 4)), "LayerSpecs.boosted: layers 0,4: layer 4 is out of range: the model has 4 layers (0-3)"),
+        ((INT2, 4, (-1,)), "layer -1 is out of range"),
+        ((INT2, 4, (1, 3, 1)), "LayerSpecs.boosted: layers 1,3,1: layer 1 is given twice"),
+        ((INT2, 4, ()), "expected one or more layer indices in [0, 4)"),
+        ((INT2, 4, (0,), "int3"), "LayerSpecs.boosted: mode int3: expected one of fp32, fp16, bf16, int8, int4, int2"),
+        (
+            (CacheSpec(max_len=8), 4, (0,)),
+            "mode int8 does not raise the precision of the cache's fp32 keys and values (nothing to boost)",
+        ),
+        ((INT8, 4, (0,)), "mode int8 does not raise the precision of the cache's int8 keys and values"),
+        ((INT8, 4, (0,), "int4"), "mode int4 does not raise"),
+        (
+            (CacheSpec(k_quantize="int2", v_quantize="fp16", **KIVI), 4, (0,)),
+            "mode int8 does not raise the precision of the cache's int2 keys and fp16 values",
+        ),
+        ((INT2, 0, (0,)), "LayerSpecs.boosted: n_layers=0: expected an integer >= 1"),
+    ],
+)
 def test_bad_boosts_are_named(args, message):
     with pytest.raises(JaxkvError) as e:
         LayerSpecs.boosted(*args)
@@ -109,7 +116,11 @@ def test_layer_sensitivity_figures_are_token_nll_through_the_boosted_specs():
     np.testing.assert_array_equal(result.gain, result.base_ppl - np.asarray(expected))
     assert result.ranking == tuple(sorted(range(2), key=lambda layer: (-result.gain[layer], layer)))
     first, every = result.top
-    assert first.layers == (result.ranking[0],) and first.ppl == expected[result.ranking[0]] and first.flag == str(first.layers[0])
+    assert (
+        first.layers == (result.ranking[0],)
+        and first.ppl == expected[result.ranking[0]]
+        and first.flag == str(first.layers[0])
+    )
     int4 = CacheSpec(max_len=48, kv_quantize="int4", group_size=4, residual=4)
     assert every.layers == (0, 1) and every.flag == "0,1"
     np.testing.assert_allclose(every.ppl, ppl(int4), rtol=1e-12)
@@ -130,39 +141,89 @@ def cli(capsys, *argv):
 INT4_FLAGS = ["--kv-quantize", "int4", "--kv-group-size", "16", "--kv-residual", "16"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["ppl", *STORIES, "--text", str(TEXT), *INT4_FLAGS, "--kv-boost-layers", "0,5"],
-     "--kv-boost-layers 0,5: layer 5 is out of range: the model has 5 layers (0-4)"),
-    (["sample", *STORIES, *INT4_FLAGS, "--kv-boost-layers", "7"],
-     "--kv-boost-layers 7: layer 7 is out of range: the model has 5 layers (0-4)"),
-    (["chat", *STORIES, "--chat-template", "{{ messages }}", *INT4_FLAGS, "--kv-boost-layers", "1,2,1"],
-     "--kv-boost-layers 1,2,1: layer 1 is given twice"),
-    (["ppl", *STORIES, "--text", str(TEXT), *INT4_FLAGS, "--kv-boost-layers", "0,a"],
-     "--kv-boost-layers 0,a: expected comma-separated layer indices, integers >= 0 (e.g. 0,1,29)"),
-    (["sample", *STORIES, "--kv-boost-layers", "0,1"],
-     "--kv-boost-layers 0,1 with --kv-boost-quantize int8 does not raise the precision of the cache's fp32 keys and "
-     "values (nothing to boost)"),
-    (["batch", *STORIES, "--input", "in.jsonl", "--output", "out.jsonl", "--kv-quantize", "int8", "--kv-boost-layers", "1",
-      "--kv-boost-quantize", "int4"], "--kv-boost-layers 1 with --kv-boost-quantize int4 does not raise the precision"),
-    (["ppl", *STORIES, "--text", str(TEXT), *INT4_FLAGS, "--kv-boost-layers", "0", "--kv-boost-quantize", "q8"],
-     "--kv-boost-layers 0 with --kv-boost-quantize q8: expected one of fp32, fp16, bf16, int8, int4, int2"),
-    (["ppl", *STORIES, "--text", str(TEXT), *INT4_FLAGS, "--kv-boost-quantize", "fp16"],
-     "--kv-boost-quantize fp16 needs --kv-boost-layers L,L,... (the layers to store in it)"),
-    (["ppl", *STORIES, "--text", str(TEXT), "--kv-sensitivity"],
-     "--kv-sensitivity with --kv-boost-quantize int8 does not raise the precision of the cache's fp32 keys and values"),
-    (["ppl", *STORIES, "--text", str(TEXT), *INT4_FLAGS, "--kv-sensitivity", "--kv-boost-layers", "0"],
-     "--kv-sensitivity boosts each layer alone from the cache the flags describe: leave out --kv-boost-layers"),
-    (["ppl", *STORIES, "--text", str(TEXT), "--recompute-window", "8", "--kv-boost-layers", "0"],
-     "--recompute-window re-encodes every window from scratch"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["ppl", *STORIES, "--text", str(TEXT), *INT4_FLAGS, "--kv-boost-layers", "0,5"],
+            "--kv-boost-layers 0,5: layer 5 is out of range: the model has 5 layers (0-4)",
+        ),
+        (
+            ["sample", *STORIES, *INT4_FLAGS, "--kv-boost-layers", "7"],
+            "--kv-boost-layers 7: layer 7 is out of range: the model has 5 layers (0-4)",
+        ),
+        (
+            ["chat", *STORIES, "--chat-template", "{{ messages }}", *INT4_FLAGS, "--kv-boost-layers", "1,2,1"],
+            "--kv-boost-layers 1,2,1: layer 1 is given twice",
+        ),
+        (
+            ["ppl", *STORIES, "--text", str(TEXT), *INT4_FLAGS, "--kv-boost-layers", "0,a"],
+            "--kv-boost-layers 0,a: expected comma-separated layer indices, integers >= 0 (e.g. 0,1,29)",
+        ),
+        (
+            ["sample", *STORIES, "--kv-boost-layers", "0,1"],
+            "--kv-boost-layers 0,1 with --kv-boost-quantize int8 does not raise the precision of the cache's fp32 keys and "
+            "values (nothing to boost)",
+        ),
+        (
+            [
+                "batch",
+                *STORIES,
+                "--input",
+                "in.jsonl",
+                "--output",
+                "out.jsonl",
+                "--kv-quantize",
+                "int8",
+                "--kv-boost-layers",
+                "1",
+                "--kv-boost-quantize",
+                "int4",
+            ],
+            "--kv-boost-layers 1 with --kv-boost-quantize int4 does not raise the precision",
+        ),
+        (
+            ["ppl", *STORIES, "--text", str(TEXT), *INT4_FLAGS, "--kv-boost-layers", "0", "--kv-boost-quantize", "q8"],
+            "--kv-boost-layers 0 with --kv-boost-quantize q8: expected one of fp32, fp16, bf16, int8, int4, int2",
+        ),
+        (
+            ["ppl", *STORIES, "--text", str(TEXT), *INT4_FLAGS, "--kv-boost-quantize", "fp16"],
+            "--kv-boost-quantize fp16 needs --kv-boost-layers L,L,... (the layers to store in it)",
+        ),
+        (
+            ["ppl", *STORIES, "--text", str(TEXT), "--kv-sensitivity"],
+            "--kv-sensitivity with --kv-boost-quantize int8 does not raise the precision of the cache's fp32 keys and values",
+        ),
+        (
+            ["ppl", *STORIES, "--text", str(TEXT), *INT4_FLAGS, "--kv-sensitivity", "--kv-boost-layers", "0"],
+            "--kv-sensitivity boosts each layer alone from the cache the flags describe: leave out --kv-boost-layers",
+        ),
+        (
+            ["ppl", *STORIES, "--text", str(TEXT), "--recompute-window", "8", "--kv-boost-layers", "0"],
+            "--recompute-window re-encodes every window from scratch",
+        ),
+    ],
+)
 def test_cli_refuses_bad_boosts_in_one_line(capsys, argv, message):
     code, _, err = cli(capsys, *argv)
     assert code == 2 and err.startswith("jaxkv: error: ") and err.count("\n") == 1 and message in err, err
 
 
 def test_cli_ppl_with_boosted_layers_is_token_nll_through_them(capsys):
-    code, out, err = cli(capsys, "ppl", *STORIES, "--text", str(TEXT), "--tokens", "96", *INT4_FLAGS,
-                         "--kv-boost-layers", "3,0", "--kv-boost-quantize", "fp16")
+    code, out, err = cli(
+        capsys,
+        "ppl",
+        *STORIES,
+        "--text",
+        str(TEXT),
+        "--tokens",
+        "96",
+        *INT4_FLAGS,
+        "--kv-boost-layers",
+        "3,0",
+        "--kv-boost-quantize",
+        "fp16",
+    )
     assert code == 0, err
     stories = load_model(STORIES_BIN, tokenizer=TOK512_MODEL)
     ids = stories.tokenizer.encode(TEXT.read_text(encoding="utf-8"))[:96]
@@ -178,8 +239,19 @@ def test_a_boosted_chat_resumes_from_its_file(tmp_path, capsys, monkeypatch):
     from test_chat import STORIES_CHAT_ARGV, stories_chat
 
     path = str(tmp_path / "chat.safetensors")
-    flags = ["--streaming-llm-sink", "4", "--streaming-llm-window", "32", *INT4_FLAGS[:2],
-             "--kv-group-size", "8", "--kv-residual", "8", "--kv-boost-layers", "0,4"]
+    flags = [
+        "--streaming-llm-sink",
+        "4",
+        "--streaming-llm-window",
+        "32",
+        *INT4_FLAGS[:2],
+        "--kv-group-size",
+        "8",
+        "--kv-residual",
+        "8",
+        "--kv-boost-layers",
+        "0,4",
+    ]
     replies = []
     for stdin, given in (("Hello\n", flags), ("And then?\n", []), ("Why?\n", flags)):
         monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
@@ -194,10 +266,25 @@ def test_a_boosted_chat_resumes_from_its_file(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_cli_sensitivity_table_ranks_by_gain_and_measures_the_suggestions(capsys):
-    code, out, err = cli(capsys, "ppl", *STORIES, "--text", str(TEXT), "--tokens", "96", *INT4_FLAGS,
-                         "--kv-boost-quantize", "int8", "--kv-sensitivity", "--chunk", "32")
+    code, out, err = cli(
+        capsys,
+        "ppl",
+        *STORIES,
+        "--text",
+        str(TEXT),
+        "--tokens",
+        "96",
+        *INT4_FLAGS,
+        "--kv-boost-quantize",
+        "int8",
+        "--kv-sensitivity",
+        "--chunk",
+        "32",
+    )
     assert code == 0, err
-    rows = [tuple(float(x) for x in m.groups()) for m in re.finditer(r"^ +(\d+) +(\d+) +([\d.]+) +(-?[\d.]+)$", out, re.M)]
+    rows = [
+        tuple(float(x) for x in m.groups()) for m in re.finditer(r"^ +(\d+) +(\d+) +([\d.]+) +(-?[\d.]+)$", out, re.M)
+    ]
     assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5] and sorted(int(r[1]) for r in rows) == [0, 1, 2, 3, 4]
     assert [r[3] for r in rows] == sorted((r[3] for r in rows), reverse=True)
     top2 = ",".join(map(str, sorted(int(r[1]) for r in rows[:2])))

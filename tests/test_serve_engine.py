@@ -24,8 +24,14 @@ from jaxkv.errors import JaxkvError
 from jaxkv.serve import Engine, EngineStopped, QueueFullError, SamplingParams
 
 SPEC = jaxkv.CacheSpec(sink=4, window=60)
-PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went", "One day, a bird", "The sun was",
-           "Sam had a red ball"]
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom went",
+    "One day, a bird",
+    "The sun was",
+    "Sam had a red ball",
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +53,16 @@ def test_concurrent_requests_get_their_solo_outputs_and_nothing_compiles_after_w
     join and leave mid-batch) each get jaxkv.sample's tokens and text; after warm-up none of
     them, whatever its length or sampling settings, compiled a program."""
     tok = stories.tokenizer
-    settings = [dict()] * len(PROMPTS) + [dict(temperature=0.8, top_k=20, seed=7),
-                                          dict(temperature=1.0, top_p=0.9, seed=3)]
+    settings = [dict()] * len(PROMPTS) + [
+        dict(temperature=0.8, top_k=20, seed=7),
+        dict(temperature=1.0, top_p=0.9, seed=3),
+    ]
     prompts = PROMPTS + PROMPTS[:2]
     lengths = [30 + 7 * i for i in range(len(prompts))]
     before = compile_counts()
-    requests = [engine.submit(tok.encode(p), SamplingParams(max_tokens=n, **kw))
-                for p, n, kw in zip(prompts, lengths, settings)]
+    requests = [
+        engine.submit(tok.encode(p), SamplingParams(max_tokens=n, **kw)) for p, n, kw in zip(prompts, lengths, settings)
+    ]
     for r in requests:
         r.result(timeout=120)
     assert compile_counts() == before
@@ -78,10 +87,15 @@ def test_eos_ends_a_request_in_a_full_cache_as_sample_does(stories):
     spec = jaxkv.CacheSpec(max_len=128)
     engine = Engine(model, spec, slots=2).start()
     try:
-        stopped, ignoring = (engine.submit(tok.encode(PROMPTS[3]), SamplingParams(max_tokens=60, ignore_eos=i))
-                             for i in (False, True))
+        stopped, ignoring = (
+            engine.submit(tok.encode(PROMPTS[3]), SamplingParams(max_tokens=60, ignore_eos=i)) for i in (False, True)
+        )
         ids, text, reason = solo(model, PROMPTS[3], 60, spec=spec)
-        assert reason == "eos" and (stopped.result(60).token_ids, stopped.text, stopped.finish_reason) == (ids, text, "stop")
+        assert reason == "eos" and (stopped.result(60).token_ids, stopped.text, stopped.finish_reason) == (
+            ids,
+            text,
+            "stop",
+        )
         ids, text, reason = solo(model, PROMPTS[3], 60, spec=spec, ignore_eos=True)
         assert (ignoring.result(60).token_ids, ignoring.text, ignoring.finish_reason) == (ids, text, "length")
         assert tok.eos_id in ignoring.token_ids[:-1]
@@ -129,8 +143,9 @@ def test_cancel_frees_the_slot_within_a_step(stories, engine):
         events.append(e)
         seen.set()
 
-    r = engine.submit(stories.tokenizer.encode(PROMPTS[1]), SamplingParams(max_tokens=100_000, ignore_eos=True),
-                      on_event=on_event)
+    r = engine.submit(
+        stories.tokenizer.encode(PROMPTS[1]), SamplingParams(max_tokens=100_000, ignore_eos=True), on_event=on_event
+    )
     assert seen.wait(60)
     r.cancel()
     for _ in range(600):
@@ -152,9 +167,14 @@ def test_bad_requests_are_refused_before_any_work(stories):
         engine.submit([1, 512], SamplingParams(max_tokens=1))
     with pytest.raises(JaxkvError, match="at least one token"):
         engine.submit([], SamplingParams(max_tokens=1))
-    for bad, field in ((dict(max_tokens=0), "max_tokens"), (dict(max_tokens=1, temperature=float("nan")), "temperature"),
-                       (dict(max_tokens=1, top_p=0), "top_p"), (dict(max_tokens=1, top_k=0), "top_k"),
-                       (dict(max_tokens=1, seed=2**32), "seed"), (dict(max_tokens=1, stop=("",)), "stop")):
+    for bad, field in (
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=1, temperature=float("nan")), "temperature"),
+        (dict(max_tokens=1, top_p=0), "top_p"),
+        (dict(max_tokens=1, top_k=0), "top_k"),
+        (dict(max_tokens=1, seed=2**32), "seed"),
+        (dict(max_tokens=1, stop=("",)), "stop"),
+    ):
         with pytest.raises(JaxkvError, match=field):
             SamplingParams(**bad)
     first, second = (engine.submit(ids, SamplingParams(max_tokens=4)) for _ in range(2))  # a free slot + the queue
@@ -186,7 +206,8 @@ def test_slots_shard_over_two_devices_with_a_kivi_cache():
         e.shutdown()
         print("ok")
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)
+    )
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

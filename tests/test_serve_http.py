@@ -52,8 +52,13 @@ class Server:
         self.log = tempfile.TemporaryFile(mode="w+")
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXKV_COMPILE_CACHE": "off"}
         env.pop("JAXKV_API_KEY", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "serve", *flags, "--port", str(self.port)],
-                                     cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxkv.cli", "serve", *flags, "--port", str(self.port)],
+            cwd=REPO,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self.health = []  # (status, body) of each /health answer while waiting
         deadline = time.monotonic() + ready_timeout
         while True:
@@ -81,8 +86,11 @@ class Server:
     def metrics(self) -> dict:
         """``{(name, frozenset(labels)): value}`` of a /metrics scrape."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {(s.name, frozenset(s.labels.items())): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+        return {
+            (s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -130,6 +138,7 @@ def _expected(model, prompt: str, n: int, **kwargs) -> str:
 
 # ---- the server itself ---------------------------------------------------------------------------
 
+
 def test_health_models_metrics(server):
     statuses = {status for status, _ in server.health}
     assert statuses <= {200, 503} and server.health[-1] == (200, {"status": "ok"})
@@ -137,11 +146,21 @@ def test_health_models_metrics(server):
     assert "jaxkv serve: listening on " + server.url in server.output()
     assert [m.id for m in server.client().models.list()] == ["stories260K"]
     names = {name for name, _ in server.metrics()}
-    for name in ("jaxkv_queue_depth", "jaxkv_busy_slots", "jaxkv_slots", "jaxkv_kv_cache_bytes",
-                 "jaxkv_prefix_cache_entries", "jaxkv_prefix_cache_bytes", "jaxkv_prefix_cache_hits_total",
-                 "jaxkv_prefix_cache_misses_total", "jaxkv_prompt_tokens_total", "jaxkv_completion_tokens_total",
-                 "jaxkv_cached_tokens_total", "jaxkv_time_to_first_token_seconds_count",
-                 "jaxkv_inter_token_latency_seconds_count"):
+    for name in (
+        "jaxkv_queue_depth",
+        "jaxkv_busy_slots",
+        "jaxkv_slots",
+        "jaxkv_kv_cache_bytes",
+        "jaxkv_prefix_cache_entries",
+        "jaxkv_prefix_cache_bytes",
+        "jaxkv_prefix_cache_hits_total",
+        "jaxkv_prefix_cache_misses_total",
+        "jaxkv_prompt_tokens_total",
+        "jaxkv_completion_tokens_total",
+        "jaxkv_cached_tokens_total",
+        "jaxkv_time_to_first_token_seconds_count",
+        "jaxkv_inter_token_latency_seconds_count",
+    ):
         assert name in names, name
     assert server.metrics()[("jaxkv_slots", frozenset())] == 4
 
@@ -156,8 +175,16 @@ def test_completion_equals_sample(server, stories):
     ids = stories.tokenizer.encode(prompt)
     assert r.usage.prompt_tokens == len(ids) and r.usage.total_tokens == len(ids) + r.usage.completion_tokens
 
-    chunks = list(client.completions.create(model="stories260K", prompt=prompt, max_tokens=n, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="stories260K",
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
@@ -165,8 +192,24 @@ def test_completion_equals_sample(server, stories):
 
 @pytest.mark.slow
 def test_concurrent_clients_equal_solo(server, stories):
-    names = ["Lily", "Tom", "Sue", "Max", "Ben", "Amy", "Sam", "Mia", "Tim", "Zoe", "Bob", "Ann", "Joe", "Kim",
-             "Dan", "Eve"]
+    names = [
+        "Lily",
+        "Tom",
+        "Sue",
+        "Max",
+        "Ben",
+        "Amy",
+        "Sam",
+        "Mia",
+        "Tim",
+        "Zoe",
+        "Bob",
+        "Ann",
+        "Joe",
+        "Kim",
+        "Dan",
+        "Eve",
+    ]
     prompts = [f"Once upon a time, {name} went to the" for name in names]
     n = 20
     solo = [_expected(stories, p, n) for p in prompts]
@@ -174,10 +217,15 @@ def test_concurrent_clients_equal_solo(server, stories):
 
     def ask(i):
         if i % 2:  # half of them streaming
-            stream = client.completions.create(prompt=prompts[i], max_tokens=n, temperature=0, stream=True,
-                                               model="stories260K")
+            stream = client.completions.create(
+                prompt=prompts[i], max_tokens=n, temperature=0, stream=True, model="stories260K"
+            )
             return "".join(c.choices[0].text for c in stream if c.choices)
-        return client.completions.create(prompt=prompts[i], max_tokens=n, temperature=0, model="stories260K").choices[0].text
+        return (
+            client.completions.create(prompt=prompts[i], max_tokens=n, temperature=0, model="stories260K")
+            .choices[0]
+            .text
+        )
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         together = list(pool.map(ask, range(16)))
@@ -230,7 +278,7 @@ def test_api_key(server):
 
 BAD = [  # (case, endpoint, body, status, param)
     ("malformed JSON", "completions", b'{"prompt": "x",', 400, None),
-    ("not an object", "completions", b'[1, 2]', 400, None),
+    ("not an object", "completions", b"[1, 2]", 400, None),
     ("invalid UTF-8", "completions", b'{"prompt": "\xff\xfe"}', 400, None),
     ("NaN", "completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
     ("Infinity", "completions", b'{"prompt": "x", "max_tokens": Infinity}', 400, "max_tokens"),
@@ -248,8 +296,13 @@ BAD = [  # (case, endpoint, body, status, param)
     ("seed 2**32", "completions", {"prompt": "x", "seed": 2**32}, 400, "seed"),
     ("n 2", "completions", {"prompt": "x", "n": 2}, 400, "n"),
     ("stream string", "completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
-    ("stream_options without stream", "completions", {"prompt": "x", "stream_options": {"include_usage": True}},
-     400, "stream_options"),
+    (
+        "stream_options without stream",
+        "completions",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
     ("five stops", "completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("empty stop", "completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("two prompts", "completions", {"prompt": ["a", "b"]}, 400, "prompt"),
@@ -263,16 +316,36 @@ BAD = [  # (case, endpoint, body, status, param)
     ("logit_bias", "completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ("presence_penalty", "completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("unknown model", "completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
-    ("tools", "chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                   "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("chat logprobs", "chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
-     400, "logprobs"),
-    ("response_format", "chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                             "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (
+        "tools",
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+    ),
+    (
+        "chat logprobs",
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+        400,
+        "logprobs",
+    ),
+    (
+        "response_format",
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
     ("no messages", "chat/completions", {"model": "stories260K"}, 400, "messages"),
     ("tool role", "chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
-    ("image part", "chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     400, "messages[0].content[0].type"),
+    (
+        "image part",
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages[0].content[0].type",
+    ),
     ("no chat template", "chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "messages"),
 ]
 
@@ -292,11 +365,15 @@ def test_bad_request(server, case, endpoint, body, status, param):
 def test_serves_after_bad_requests(server):
     key = ("jaxkv_requests_total", frozenset({("status", "400")}))
     before = server.metrics().get(key, 0.0)  # xdist may run the BAD cases on another worker's server: count here
-    for case, endpoint, body, status, param in BAD[:6]:
+    for _, endpoint, body, *_ in BAD[:6]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         httpx.post(f"{server.url}/v1/{endpoint}", content=data, headers={**AUTH, "Content-Type": "application/json"})
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Once", "max_tokens": 2, "unknown_field": 1},
-                   headers=AUTH, timeout=30)  # unknown fields are ignored; the model omitted is this one
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "Once", "max_tokens": 2, "unknown_field": 1},
+        headers=AUTH,
+        timeout=30,
+    )  # unknown fields are ignored; the model omitted is this one
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     client = server.client()
     with pytest.raises(openai.BadRequestError) as e:
@@ -306,8 +383,14 @@ def test_serves_after_bad_requests(server):
 
 
 def test_full_cache_needs_max_len():
-    r = subprocess.run([sys.executable, "-m", "jaxkv.cli", "serve", *STORIES], cwd=REPO, capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxkv.cli", "serve", *STORIES],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert r.returncode == 2 and "--max-len" in r.stderr and "--streaming-llm-window" in r.stderr
 
 
@@ -379,6 +462,7 @@ def test_sigterm_ends_streams_and_exits_0(tiny):
 
 # ---- chat: SmolLM2 has a template ----------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_chat_equals_sample(smollm2):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -389,8 +473,9 @@ def test_chat_equals_sample(smollm2):
         r = client.chat.completions.create(model="smol", messages=messages, max_completion_tokens=12, temperature=0)
         assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
         assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == expected
-        chunks = list(client.chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0,
-                                                     stream=True))
+        chunks = list(
+            client.chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0, stream=True)
+        )
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
         assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason

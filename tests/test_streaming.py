@@ -64,7 +64,14 @@ def test_decode_matches_reference_across_three_wraps(sink, window, positions):
     got, cache = decode(spec, tokens)
     expected, ref = reference_logits(spec, tokens)
     np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
-    assert sorted(p for p in np.concatenate([np.asarray(cache.ring_pos[0])] + ([np.asarray(cache.sink_pos[0])] if sink else [])) if p >= 0) == ref.stored()
+    assert (
+        sorted(
+            p
+            for p in np.concatenate([np.asarray(cache.ring_pos[0])] + ([np.asarray(cache.sink_pos[0])] if sink else []))
+            if p >= 0
+        )
+        == ref.stored()
+    )
 
 
 @pytest.mark.parametrize("kv_quantize", ["fp32", "bf16"])
@@ -98,8 +105,11 @@ def test_chunked_prefill_equals_token_by_token(sink, window, chunk, positions, c
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
-@pytest.mark.parametrize("spec", [CacheSpec(max_len=600), CacheSpec(sink=4, window=300, positions="cache")],
-                         ids=["full-600", "sink4-window300-cache"])
+@pytest.mark.parametrize(
+    "spec",
+    [CacheSpec(max_len=600), CacheSpec(sink=4, window=300, positions="cache")],
+    ids=["full-600", "sink4-window300-cache"],
+)
 def test_prefill_reads_a_ring_longer_than_a_block_blockwise(spec, chunked):
     """A ring of more slots than RING_BLOCK is read by a prefill chunk block by block, each with
     its own softmax statistics, blocks that no query sees skipped (jaxkv.cache.attention): every
@@ -182,8 +192,11 @@ def test_decode_step_traces_once_and_donated_cache_is_aliased():
     for t in tokens_for(2 + 3 * 5 + 2):  # three wraps
         _, cache = jitted(gd, st, jnp.asarray([[t]], jnp.int32), jnp.asarray([1], jnp.int32), cache)
     cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache))
-    compiled = jax.jit(forward, static_argnums=0, donate_argnames="cache").lower(
-        gd, st, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), cache).compile()
+    compiled = (
+        jax.jit(forward, static_argnums=0, donate_argnames="cache")
+        .lower(gd, st, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), cache)
+        .compile()
+    )
     assert compiled.memory_analysis().alias_size_in_bytes == cache_bytes
     assert "input_output_alias" in compiled.as_text()
 
@@ -301,12 +314,17 @@ def test_decode_loop_writes_the_window_in_place_and_never_copies_it(kv_quantize)
     c = model.config
     spec = CacheSpec(sink=4, window=508, kv_quantize=kv_quantize)
     whole = (c.n_layers, 1, c.n_kv_heads, spec.n_ring, c.head_dim)
-    buffers = [(name, dtype) for name, dtype, shape in materialised_buffers(decode_loop_hlo(model, spec)) if shape == whole]
+    buffers = [
+        (name, dtype) for name, dtype, shape in materialised_buffers(decode_loop_hlo(model, spec)) if shape == whole
+    ]
     assert len(buffers) == 2 and all("dynamic-update-slice" in name for name, _ in buffers), buffers  # ring_k, ring_v
 
 
-@pytest.mark.parametrize("stream_s,sizes", [(None, [8, 8, 4]), (0.0, [1] * 20), (1e9, [1, 8, 8, 3])],
-                         ids=["blocks", "token-by-token", "first-token-then-blocks"])
+@pytest.mark.parametrize(
+    "stream_s,sizes",
+    [(None, [8, 8, 4]), (0.0, [1] * 20), (1e9, [1, 8, 8, 3])],
+    ids=["blocks", "token-by-token", "first-token-then-blocks"],
+)
 def test_streamed_decode_runs_every_block_size_in_one_compiled_loop(stream_s, sizes):
     """A decode of several blocks of varying step counts (``stream_s``: the first block one
     token, then as many as fit) reuses the decode loop the plain run compiled (one compile
@@ -320,8 +338,9 @@ def test_streamed_decode_runs_every_block_size_in_one_compiled_loop(stream_s, si
     reference = generate(model, [tokens_for(5)], **kwargs).token_ids[0]
     before = compile_counts()["decode"]
     blocks = []
-    got = generate(model, [tokens_for(5)], **kwargs, stream_s=stream_s,
-                   on_block=lambda out: blocks.append(int((out >= 0).sum())))
+    got = generate(
+        model, [tokens_for(5)], **kwargs, stream_s=stream_s, on_block=lambda out: blocks.append(int((out >= 0).sum()))
+    )
     assert compile_counts()["decode"] == before  # the same compiled loop whatever each block's step count
     assert blocks == sizes
     assert got.token_ids[0] == reference and len(reference) == 20

@@ -14,7 +14,17 @@ GOLDEN = json.loads(paths.GOLDEN.read_text())
 TEXT = paths.TEXT.read_text(encoding="utf-8")
 # Lines with mojibake (non-ASCII), double and trailing spaces are all in the first ~6500.
 LINES = TEXT.split("\n")[:300] + [line for line in TEXT.split("\n") if "  " in line or "\u00e2" in line]
-ODD = ["", " ", "  hi  there  ", "héllo wörld 😀 日本", "x\n\n y \n", "a<s>b</s> c", "123 4567", "\t tab", "ünïcödé\r\n"]
+ODD = [
+    "",
+    " ",
+    "  hi  there  ",
+    "héllo wörld 😀 日本",
+    "x\n\n y \n",
+    "a<s>b</s> c",
+    "123 4567",
+    "\t tab",
+    "ünïcödé\r\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +79,9 @@ def test_same_ids_as_sentencepiece_on_real_text(sp, other, request):
 def test_sentencepiece_whitespace_and_specials(sp, tok_bin):
     for tok in (sp, tok_bin):
         assert tok.encode("  hi  there  ", add_bos=False) == tok.encode("hi there", add_bos=False)
-        assert tok.encode("a<s>b</s>", add_bos=False) == tok.encode("a", add_bos=False) + [1] + tok.encode("b", add_bos=False) + [2]
+        assert tok.encode("a<s>b</s>", add_bos=False) == tok.encode("a", add_bos=False) + [1] + tok.encode(
+            "b", add_bos=False
+        ) + [2]
         assert tok.decode(tok.encode("x\n\ny \n")) == "x\n\ny \n"
         assert tok.decode(tok.encode("héllo 😀 日本")) == "héllo 😀 日本"
 
@@ -107,7 +119,10 @@ def test_smollm2_chat_template(smol):
     )
     with_system = [{"role": "system", "content": "Be brief."}] + question
     prompt = smol.apply_chat_template(with_system, add_generation_prompt=False)
-    assert prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+    assert (
+        prompt
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+    )
     assert smol.encode(prompt).count(1) == 2 and smol.encode(prompt).count(2) == 2
 
 
@@ -147,7 +162,10 @@ def test_decode_stream_keeps_space_after_context_and_long_streams(tok_bin, smol)
         story = TEXT[:3000]
         ids = tok.encode(story, add_bos=False)
         out = "".join(stream.push(ids[i : i + 5]) for i in range(0, len(ids), 5)) + stream.flush()
-        assert out == tok.decode(prompt + tok.encode(" there was", add_bos=False) + ids)[len("Once upon a time there was") :]
+        assert (
+            out
+            == tok.decode(prompt + tok.encode(" there was", add_bos=False) + ids)[len("Once upon a time there was") :]
+        )
 
 
 def test_unsupported_gguf_tokenizers():

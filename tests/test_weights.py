@@ -62,9 +62,16 @@ def test_int8_codes_match_the_reference_and_gguf_q8_0():
     np.testing.assert_array_equal(np.asarray(qw.codes).T, codes)  # held transposed: [O, I]
     np.testing.assert_array_equal(np.asarray(qw.scales).T, scales)
     # the same blocks as GGUF Q8_0 bytes (per output row: f16 d, 32 int8 codes), through gguf's dequantiser
-    raw = np.concatenate([np.concatenate([scales[b, o : o + 1].view(np.uint8), codes[32 * b : 32 * b + 32, o].view(np.uint8)])
-                          for o in range(5) for b in range(2)]).reshape(5, -1)
-    np.testing.assert_array_equal(np.asarray(qw.dequantize()), gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0).T)
+    raw = np.concatenate(
+        [
+            np.concatenate([scales[b, o : o + 1].view(np.uint8), codes[32 * b : 32 * b + 32, o].view(np.uint8)])
+            for o in range(5)
+            for b in range(2)
+        ]
+    ).reshape(5, -1)
+    np.testing.assert_array_equal(
+        np.asarray(qw.dequantize()), gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0).T
+    )
     assert np.abs(np.asarray(qw.dequantize()) - w).max() <= np.abs(w).max() / 254 * 1.01
 
 
@@ -80,8 +87,13 @@ def test_q4_codes_match_the_reference_and_gguf_q4_1():
     np.testing.assert_array_equal(np.asarray(qw.mins).T, mins)
     ggml = codes.astype(np.uint8).reshape(2, 2, 16, 5)  # ggml's Q4_1 block: inputs j and j + 16 share byte j
     ggml = ggml[:, 0] | (ggml[:, 1] << 4)  # [block, 16, O]
-    raw = np.concatenate([np.concatenate([scales[b, o : o + 1].view(np.uint8), mins[b, o : o + 1].view(np.uint8), ggml[b, :, o]])
-                          for o in range(5) for b in range(2)]).reshape(5, -1)
+    raw = np.concatenate(
+        [
+            np.concatenate([scales[b, o : o + 1].view(np.uint8), mins[b, o : o + 1].view(np.uint8), ggml[b, :, o]])
+            for o in range(5)
+            for b in range(2)
+        ]
+    ).reshape(5, -1)
     deq = np.asarray(qw.dequantize())
     np.testing.assert_allclose(deq, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).T, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(deq[:32, 3], 0.25)
@@ -116,8 +128,13 @@ def test_dense_and_embedding_of_codes_equal_their_dequantised_matrix(fmt, tokens
 
 
 def jax_tree(qw: QuantizedWeight) -> QuantizedWeight:
-    return QuantizedWeight(codes=jnp.asarray(qw.codes), scales=jnp.asarray(qw.scales),
-                           mins=None if qw.mins is None else jnp.asarray(qw.mins), n_in=qw.n_in, format=qw.format)
+    return QuantizedWeight(
+        codes=jnp.asarray(qw.codes),
+        scales=jnp.asarray(qw.scales),
+        mins=None if qw.mins is None else jnp.asarray(qw.mins),
+        n_in=qw.n_in,
+        format=qw.format,
+    )
 
 
 def logits_of(model, tokens):
@@ -146,7 +163,9 @@ def test_each_form_logits_near_fp32(fmt):
         deq["embed"] = deq["embed"].T
         exact = Llama.from_weights(model.config, {**weights, **deq})
         np.testing.assert_allclose(got, logits_of(exact, TOKENS), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(logits_of(held, TOKENS[:, :3]), logits_of(exact, TOKENS[:, :3]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            logits_of(held, TOKENS[:, :3]), logits_of(exact, TOKENS[:, :3]), rtol=1e-5, atol=1e-5
+        )
 
 
 HELD_AS = {"bf16": "bf16", "fp16": "f16", "int8": "s8", "q4": "u8"}
@@ -160,22 +179,34 @@ def test_compiled_decode_step_takes_the_weights_in_their_format(fmt):
     cannot upcast them at load time)."""
     model = Llama.from_weights(tiny_model().config, numpy_weights(tiny_model()), weight_format=fmt)
     hlo = decode_loop_hlo(model, CacheSpec(sink=2, window=8))
-    entry = hlo[hlo.index("ENTRY"):]
+    entry = hlo[hlo.index("ENTRY") :]
     params = re.findall(r"= (\w+)\[([\d,]*)\]\{[^}]*\} parameter\(\d+\)", entry.split("\n}\n")[0])
     shape = {"bf16": "2,48,32", "fp16": "2,48,32", "int8": "2,48,32", "q4": "2,48,16"}[fmt]
     assert (HELD_AS[fmt], shape) in params, params
-    matrices = {"2,32,32", "2,32,16", "2,16,32", "2,32,48", "2,48,32", "64,32", "32,64"}  # wq, wk/wv, w_gate/up, w_down, embed
+    matrices = {
+        "2,32,32",
+        "2,32,16",
+        "2,16,32",
+        "2,32,48",
+        "2,48,32",
+        "64,32",
+        "32,64",
+    }  # wq, wk/wv, w_gate/up, w_down, embed
     assert not [p for p in params if p[0] == "f32" and p[1] in matrices], params
 
 
 def test_weights_flag_refuses_a_bad_format_in_one_line(capsys):
-    one_error_line(*cli(capsys, "sample", *STORIES, "--weights", "int3", "--tokens", "1", "--prompt", "hi")[::2],
-                   "--weights int3: expected one of fp32, bf16, fp16, int8, q4")
+    one_error_line(
+        *cli(capsys, "sample", *STORIES, "--weights", "int3", "--tokens", "1", "--prompt", "hi")[::2],
+        "--weights int3: expected one of fp32, bf16, fp16, int8, q4",
+    )
 
 
 def test_a_weight_format_with_a_low_precision_dtype_is_refused():
     model = tiny_model()
-    with pytest.raises(JaxkvError, match="weights='int8' computes in float32 between layers: expected dtype float32, got bfloat16"):
+    with pytest.raises(
+        JaxkvError, match="weights='int8' computes in float32 between layers: expected dtype float32, got bfloat16"
+    ):
         Llama.from_weights(model.config, numpy_weights(model), dtype=jnp.bfloat16, weight_format="int8")
 
 

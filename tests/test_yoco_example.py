@@ -41,9 +41,15 @@ def numpy_weights(model):
         return np.asarray(p[...], np.float64)
 
     def layer(l, kind):
-        out = {"attn_norm": a(l.attn_norm.weight), "wq": a(l.wq.kernel), "wo": a(l.wo.kernel),
-               "mlp_norm": a(l.mlp_norm.weight), "gate": a(l.mlp.gate.kernel), "up": a(l.mlp.up.kernel),
-               "down": a(l.mlp.down.kernel)}
+        out = {
+            "attn_norm": a(l.attn_norm.weight),
+            "wq": a(l.wq.kernel),
+            "wo": a(l.wo.kernel),
+            "mlp_norm": a(l.mlp_norm.weight),
+            "gate": a(l.mlp.gate.kernel),
+            "up": a(l.mlp.up.kernel),
+            "down": a(l.mlp.down.kernel),
+        }
         if kind == "self":
             out |= {"wk": a(l.wk.kernel), "wv": a(l.wv.kernel)}
         return out
@@ -51,9 +57,12 @@ def numpy_weights(model):
     return {
         "embed": a(m.embed.embedding),
         "self": [layer(m.self_layers[str(i)], "self") for i in range(c.n_self_layers)],
-        "kv_norm": a(m.kv_norm.weight), "wk_shared": a(m.wk_shared.kernel), "wv_shared": a(m.wv_shared.kernel),
+        "kv_norm": a(m.kv_norm.weight),
+        "wk_shared": a(m.wk_shared.kernel),
+        "wv_shared": a(m.wv_shared.kernel),
         "cross": [layer(m.cross_layers[str(i)], "cross") for i in range(c.n_cross_layers)],
-        "final_norm": a(m.final_norm.weight), "lm_head": a(m.lm_head.kernel),
+        "final_norm": a(m.final_norm.weight),
+        "lm_head": a(m.lm_head.kernel),
     }
 
 
@@ -67,8 +76,11 @@ class RefYoco(RefDecoder):
         c = model.config
         self.yoco_cfg, self.yw = c, numpy_weights(model)
         self.cross_entry = c.n_self_layers if cross_entry is None else cross_entry  # a test of the test may move it
-        super().__init__({}, dict(n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                                  theta=c.rope_theta, eps=c.norm_eps), **ref_kwargs(spec))
+        super().__init__(
+            {},
+            dict(n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, theta=c.rope_theta, eps=c.norm_eps),
+            **ref_kwargs(spec),
+        )
 
     def step(self, token):
         c, w, t = self.yoco_cfg, self.yw, self.t
@@ -181,8 +193,10 @@ def test_decodes_1000_tokens_and_first_100_match_numpy_reference(loaded, generat
     # the tolerance is meaningful: the same model with a full fp32 cache (no StreamingLLM,
     # no KIVI), or with the cross-decoder reading the last self-decoder layer's K/V instead
     # of its own shared projection, differs by much more
-    for other in (RefYoco(loaded.model, CacheSpec(max_len=len(seq))),
-                  RefYoco(loaded.model, SPEC, cross_entry=loaded.config.n_self_layers - 1)):
+    for other in (
+        RefYoco(loaded.model, CacheSpec(max_len=len(seq))),
+        RefYoco(loaded.model, SPEC, cross_entry=loaded.config.n_self_layers - 1),
+    ):
         other_logits = np.stack([other.step(tok) for tok in seq[:-1]])
         assert np.max(np.abs(other_logits - got)) > 10 * NEAR_TIE
 
@@ -192,8 +206,9 @@ def test_memory_report_holds_about_half_the_layers(loaded, generation):
     assert (c.n_layers, c.n_decoder_layers) == (5, 8)
     report = generation.memory
     kv = report.allocated_bytes - report.allocated["bookkeeping"]
-    per_layer_cache = KVCache.create(SPEC, batch=1, n_layers=c.n_decoder_layers, n_kv_heads=c.n_kv_heads,
-                                     head_dim=c.head_dim)
+    per_layer_cache = KVCache.create(
+        SPEC, batch=1, n_layers=c.n_decoder_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim
+    )
     per_layer = memory_report(per_layer_cache)
     assert kv * c.n_decoder_layers == (per_layer.allocated_bytes - per_layer.allocated["bookkeeping"]) * c.n_layers
     assert yoco.cache_bytes(c, SPEC) == {"yoco": kv, "per_layer": kv * 8 // 5}
@@ -205,8 +220,9 @@ def test_memory_report_holds_about_half_the_layers(loaded, generation):
 
 def test_cache_positions_mode_matches_reference(loaded):
     """positions="cache" (keys stored before RoPE, rotated at their rank): 80 tokens."""
-    spec = CacheSpec(sink=4, window=24, kv_quantize="int4", group_size=4, residual=8, positions="cache",
-                     scale_dtype="float32")
+    spec = CacheSpec(
+        sink=4, window=24, kv_quantize="int4", group_size=4, residual=8, positions="cache", scale_dtype="float32"
+    )
     tokens = list(np.random.default_rng(5).integers(0, 256, 80))
     ref = RefYoco(loaded.model, spec)
     expected = np.stack([ref.step(int(t)) for t in tokens])

@@ -32,8 +32,19 @@ skipped under ``lax.cond`` (:func:`_prefill_softmax`). A decode step (T = 1) rea
 one segment."""
 
 
-def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None, theta: float | None = None,
-           scale: float | None = None, softcap: float | None = None, mass: bool = False):
+def attend(
+    step: Step,
+    layer: LayerKV,
+    q,
+    k,
+    v,
+    *args,
+    rope: Rope | None = None,
+    theta: float | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    mass: bool = False,
+):
     """Grouped-query attention of a chunk over one layer of the cache and itself.
 
     Args:
@@ -63,8 +74,12 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
     protocol) is still accepted.
     """
     if isinstance(step, CacheSpec):  # attend(spec, view, layer, q, k, v)
-        warnings.warn("attend(spec, view, layer, ...) is deprecated: use attend(step, layer, ...) with "
-                      "cache.begin (docs/custom_models.md)", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "attend(spec, view, layer, ...) is deprecated: use attend(step, layer, ...) with "
+            "cache.begin (docs/custom_models.md)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         step, layer, q, k, v = layer, q, k, v, args[0]
     policy, storage = step.spec.policy, step.spec.storage
     b, t, n_heads, h = q.shape
@@ -140,15 +155,17 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
         width = keys[0].shape[-1]
         if t == 1:  # the keys first: [B, K, S, G]
             s = sum(
-                lax.dot_general(block.astype(dtype), qq[..., j * width : (j + 1) * width], dims,
-                                preferred_element_type=jnp.float32)
+                lax.dot_general(
+                    block.astype(dtype), qq[..., j * width : (j + 1) * width], dims, preferred_element_type=jnp.float32
+                )
                 for j, block in enumerate(keys)
             )
             s = jnp.swapaxes(s, 2, 3)
         else:  # a prefill chunk: the queries first, [B, K, G*T, S] in the layout the softmax reads
             s = sum(
-                lax.dot_general(qq[..., j * width : (j + 1) * width], block.astype(dtype), dims,
-                                preferred_element_type=jnp.float32)
+                lax.dot_general(
+                    qq[..., j * width : (j + 1) * width], block.astype(dtype), dims, preferred_element_type=jnp.float32
+                )
                 for j, block in enumerate(keys)
             )
         s = s.reshape(b, n_kv, group, t, -1) * scale
@@ -204,11 +221,16 @@ def attend(step: Step, layer: LayerKV, q, k, v, *args, rope: Rope | None = None,
     def got(kind, n):  # the segment's blocks joined, or zeros
         return jnp.concatenate(received[kind], axis=-1) if kind in received else jnp.zeros((b, n), jnp.float32)
 
-    return out, k_store, v, Mass(
-        ring=got("ring", step.ring_pos.shape[1]),
-        keep=got("keep", 0 if step.keep_pos is None else step.keep_pos.shape[1]),
-        chunk=got("chunk", t),
-        store=got("store", 0 if step.store_pos is None else step.store_pos.shape[1]),
+    return (
+        out,
+        k_store,
+        v,
+        Mass(
+            ring=got("ring", step.ring_pos.shape[1]),
+            keep=got("keep", 0 if step.keep_pos is None else step.keep_pos.shape[1]),
+            chunk=got("chunk", t),
+            store=got("store", 0 if step.store_pos is None else step.store_pos.shape[1]),
+        ),
     )
 
 

@@ -50,8 +50,17 @@ from jaxkv.files import atomic_write
 
 FILE_FORMAT = "jaxkv-cache/1"
 _RESERVED = ("format", "spec", "checksum", "prefixes")
-_LATER_SPEC_FIELDS = ("attention_window", "k_quantize", "v_quantize", "residual_dtype", "pre_rope_keys", "hadamard", "keep",
-                      "keep_score", "keep_quantize")
+_LATER_SPEC_FIELDS = (
+    "attention_window",
+    "k_quantize",
+    "v_quantize",
+    "residual_dtype",
+    "pre_rope_keys",
+    "hadamard",
+    "keep",
+    "keep_score",
+    "keep_quantize",
+)
 """CacheSpec fields added after the format was defined: written only when not their default,
 so a cache that does not use them is saved byte for byte as before (``pre_rope_keys`` also not
 when ``positions="cache"`` implies it)."""
@@ -112,7 +121,10 @@ def save_cache(
         if prefix is not None:
             prefixes[name] = prefix
     tensors.update({name: np.ascontiguousarray(a) for name, a in arrays.items()})
-    header = {"format": prefix_format if prefixes else file_format, "spec": json.dumps(_spec_fields(cache.spec), sort_keys=True)}
+    header = {
+        "format": prefix_format if prefixes else file_format,
+        "spec": json.dumps(_spec_fields(cache.spec), sort_keys=True),
+    }
     if prefixes:
         header["prefixes"] = json.dumps(prefixes, sort_keys=True)
     metadata = {**header, **metadata}
@@ -258,8 +270,12 @@ def _prefixes_entry(meta: dict, cache_names: set, corrupt: Callable[[str], Jaxkv
 def _whole(stored: np.ndarray, shape: tuple, axis: int, bits: int) -> np.ndarray | None:
     """The whole leaf of ``shape`` from its prefix ``stored`` along ``axis``, the rest the value
     of bit pattern ``bits`` (it fits the dtype); None when ``stored`` is not such a prefix."""
-    if (stored.ndim != len(shape) or axis >= stored.ndim or stored.shape[axis] >= shape[axis]
-            or any(a != b for i, (a, b) in enumerate(zip(stored.shape, shape)) if i != axis)):
+    if (
+        stored.ndim != len(shape)
+        or axis >= stored.ndim
+        or stored.shape[axis] >= shape[axis]
+        or any(a != b for i, (a, b) in enumerate(zip(stored.shape, shape)) if i != axis)
+    ):
         return None
     whole = np.full(shape, bits, f"u{stored.itemsize}").view(stored.dtype)
     whole[(slice(None),) * axis + (slice(0, stored.shape[axis]),)] = stored
@@ -298,13 +314,17 @@ def _check_contents(cache, corrupt: Callable[[str], JaxkvError]) -> None:
             bad = (pos != -1) & ((pos < low[:, None]) | (pos >= high[:, None]))
             if bad.any():
                 b, slot = (int(i) for i in np.argwhere(bad)[0])
-                raise corrupt(f"{names[id(pos)]}[{b}, {slot}] = {int(pos[b, slot])}: expected -1 (empty) or a position "
-                              f"in [{int(low[b])}, {int(high[b])}) (row {b} holds {int(length[b])} tokens)")
+                raise corrupt(
+                    f"{names[id(pos)]}[{b}, {slot}] = {int(pos[b, slot])}: expected -1 (empty) or a position "
+                    f"in [{int(low[b])}, {int(high[b])}) (row {b} holds {int(length[b])} tokens)"
+                )
         live = np.concatenate([pos for pos, _ in segments], axis=1)
         for b, row in enumerate(live):
             values, counts = np.unique(row[row >= 0], return_counts=True)
             if (counts > 1).any():
-                raise corrupt(f"position {int(values[np.argmax(counts > 1)])} is stored {int(counts.max())} times in row {b}")
+                raise corrupt(
+                    f"position {int(values[np.argmax(counts > 1)])} is stored {int(counts.max())} times in row {b}"
+                )
 
 
 def _storable(a: np.ndarray) -> np.ndarray:

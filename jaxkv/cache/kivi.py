@@ -188,9 +188,7 @@ def codes_per_byte(bits: Any) -> int:
     """
     ok = isinstance(bits, (int, np.integer)) and not isinstance(bits, (bool, np.bool_))
     if not ok or int(bits) not in SUPPORTED_BITS:
-        raise JaxkvError(
-            f"bits={bits!r} is not supported; KIVI codes are 8, 4 or 2 bits wide"
-        )
+        raise JaxkvError(f"bits={bits!r} is not supported; KIVI codes are 8, 4 or 2 bits wide")
     return 8 // int(bits)
 
 
@@ -231,10 +229,7 @@ def _check_groups(length: int, group_size: Any, *, what: str) -> int:
     if not ok or group_size < 1:
         raise JaxkvError(f"group_size={group_size!r} must be a positive int")
     if length % group_size != 0:
-        raise JaxkvError(
-            f"{what}={length} is not a multiple of group_size={group_size}; "
-            "quantise whole groups only"
-        )
+        raise JaxkvError(f"{what}={length} is not a multiple of group_size={group_size}; quantise whole groups only")
     return int(group_size)
 
 
@@ -501,9 +496,7 @@ def dequantize_affine(
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "scale_dtype"))
-def quantize_keys(
-    k: jax.Array, *, bits: int, group_size: int, scale_dtype: Any = jnp.float16
-) -> QuantizedKeys:
+def quantize_keys(k: jax.Array, *, bits: int, group_size: int, scale_dtype: Any = jnp.float16) -> QuantizedKeys:
     """KIVI keys: per-channel quantisation in groups of G tokens (arXiv 2402.02750 §3.2, §4).
 
     Args:
@@ -548,9 +541,7 @@ def dequantize_keys(
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "scale_dtype"))
-def quantize_values(
-    v: jax.Array, *, bits: int, scale_dtype: Any = jnp.float16
-) -> QuantizedValues:
+def quantize_values(v: jax.Array, *, bits: int, scale_dtype: Any = jnp.float16) -> QuantizedValues:
     """KIVI values: per-token quantisation over H (arXiv 2402.02750 §3.2).
 
     Args:
@@ -568,9 +559,7 @@ def quantize_values(
     """
     chex.assert_rank(v, {i for i in range(2, 16)})
     qt = quantize_affine(v, bits=bits, axis=-1, group_size=None, scale_dtype=scale_dtype)
-    return QuantizedValues(
-        codes=qt.codes, scale=jnp.squeeze(qt.scale, -1), zero=jnp.squeeze(qt.zero, -1)
-    )
+    return QuantizedValues(codes=qt.codes, scale=jnp.squeeze(qt.scale, -1), zero=jnp.squeeze(qt.zero, -1))
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "dtype", "blocks"))

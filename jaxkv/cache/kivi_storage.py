@@ -111,8 +111,10 @@ class KiviStorage(Storage):
           JaxkvError: keys and values of different precision (use :attr:`key_bits`, :attr:`value_bits`).
         """
         if self.key_bits != self.value_bits:
-            raise JaxkvError(f"the cache stores keys as {self.modes[0]} and values as {self.modes[1]}: "
-                             "ask for key_bits or value_bits")
+            raise JaxkvError(
+                f"the cache stores keys as {self.modes[0]} and values as {self.modes[1]}: "
+                "ask for key_bits or value_bits"
+            )
         return self.key_bits
 
     @property
@@ -149,15 +151,23 @@ class KiviStorage(Storage):
         if self.key_bits is None:
             leaves.update(k_float=as_container(jnp.zeros(lbk + (w, head_dim)), FLOAT_DTYPES[self.modes[0]]))
         else:
-            leaves.update(k_codes=jnp.zeros(lbk + (w, head_dim * self.key_bits // 8), jnp.uint8),
-                          k_scale=jnp.ones(lbk + (w // g, head_dim), sdt), k_zero=jnp.zeros(lbk + (w // g, head_dim), sdt))
+            leaves.update(
+                k_codes=jnp.zeros(lbk + (w, head_dim * self.key_bits // 8), jnp.uint8),
+                k_scale=jnp.ones(lbk + (w // g, head_dim), sdt),
+                k_zero=jnp.zeros(lbk + (w // g, head_dim), sdt),
+            )
         if self.value_bits is None:
             leaves.update(v_float=as_container(jnp.zeros(lbk + (w, head_dim)), FLOAT_DTYPES[self.modes[1]]))
         else:
-            leaves.update(v_codes=jnp.zeros(lbk + (w, head_dim * self.value_bits // 8), jnp.uint8),
-                          v_scale=jnp.ones(lbk + (w,), sdt), v_zero=jnp.zeros(lbk + (w,), sdt))
-        return QuantRing(**{name: leaves.get(name) for name in QuantRing.__dataclass_fields__ if name != "pos"},
-                         pos=jnp.full((batch, w), -1, jnp.int32))
+            leaves.update(
+                v_codes=jnp.zeros(lbk + (w, head_dim * self.value_bits // 8), jnp.uint8),
+                v_scale=jnp.ones(lbk + (w,), sdt),
+                v_zero=jnp.zeros(lbk + (w,), sdt),
+            )
+        return QuantRing(
+            **{name: leaves.get(name) for name in QuantRing.__dataclass_fields__ if name != "pos"},
+            pos=jnp.full((batch, w), -1, jnp.int32),
+        )
 
     def _encode(self, k, v) -> dict:
         """The store leaves (by name) of R residual keys/values ``[..., R, H]``: codes, scales
@@ -195,15 +205,21 @@ class KiviStorage(Storage):
         # in place with a per-row count of 0 or R, so no step copies the quantised ring
         shapes = jax.eval_shape(self._encode, ring_k, ring_v)
         new = lax.cond(
-            jnp.any(flush), self._encode, lambda k, v: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-            ring_k, ring_v,
+            jnp.any(flush),
+            self._encode,
+            lambda k, v: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+            ring_k,
+            ring_v,
         )
         start = (u0 - r) % q.pos.shape[1]  # slot of the residual's first token
         count = jnp.where(flush, r, 0)
         tok = dict(batch_axis=1, slot_axis=3, batch_parallel=cache.batch_sharded)
-        written = {name: write_ring(getattr(q, name), x, *((start // g, count // g) if name in _GROUP_LEAVES
-                                                            else (start, count)), **tok)
-                   for name, x in new.items()}
+        written = {
+            name: write_ring(
+                getattr(q, name), x, *((start // g, count // g) if name in _GROUP_LEAVES else (start, count)), **tok
+            )
+            for name, x in new.items()
+        }
         pos_axes = dict(batch_axis=0, slot_axis=1, batch_parallel=cache.batch_sharded)
         quant = q.replace(**written, pos=write_ring(q.pos, cache.ring_pos, start, count, **pos_axes))
         keep = cache.keep
@@ -220,7 +236,9 @@ class KiviStorage(Storage):
         u0 = cache.length - cache.policy.sink
         flush = (n > 0) & (u0 > 0) & (u0 % r == 0)
         w = q.pos.shape[1]
-        slots = ((u0 - r) % w)[:, None] + jnp.arange(r, dtype=jnp.int32)[None]  # in range: W is a multiple of R's groups
+        slots = ((u0 - r) % w)[:, None] + jnp.arange(r, dtype=jnp.int32)[
+            None
+        ]  # in range: W is a multiple of R's groups
         slots = slots % w
         pos = jnp.where(flush[:, None], jnp.take_along_axis(q.pos, slots, axis=1), -1)
         tok = lambda x: jnp.take_along_axis(x, slots[None, :, None, :, None], axis=3)  # noqa: E731
@@ -229,14 +247,16 @@ class KiviStorage(Storage):
         if self.key_bits is None:
             k = self.read(tok(q.k_float)).astype(jnp.float32)
         else:
-            k = kivi.dequantize_keys(kivi.QuantizedKeys(tok(q.k_codes), grp(q.k_scale), grp(q.k_zero)),
-                                     bits=self.key_bits, group_size=g)
+            k = kivi.dequantize_keys(
+                kivi.QuantizedKeys(tok(q.k_codes), grp(q.k_scale), grp(q.k_zero)), bits=self.key_bits, group_size=g
+            )
         if self.value_bits is None:
             v = self.read(tok(q.v_float)).astype(jnp.float32)
         else:
             per = lambda x: jnp.take_along_axis(x, slots[None, :, None, :], axis=3)  # noqa: E731
-            v = kivi.dequantize_values(kivi.QuantizedValues(tok(q.v_codes), per(q.v_scale), per(q.v_zero)),
-                                       bits=self.value_bits)
+            v = kivi.dequantize_values(
+                kivi.QuantizedValues(tok(q.v_codes), per(q.v_scale), per(q.v_zero)), bits=self.value_bits
+            )
         if self.rotate_keys:
             k = rotate(k, jnp.asarray(hadamard(k.shape[-1])).T)
         if self.rotate_values:
@@ -253,28 +273,43 @@ class KiviStorage(Storage):
         else:
             k = kivi.dequantize_keys(
                 kivi.QuantizedKeys(codes=store.k_codes, scale=store.k_scale, zero=store.k_zero),
-                bits=self.key_bits, group_size=self.group_size, dtype=dtype, blocks=True,
+                bits=self.key_bits,
+                group_size=self.group_size,
+                dtype=dtype,
+                blocks=True,
             )
         if self.value_bits is None:
             v = [self.read(store.v_float)]
         else:
             v = kivi.dequantize_values(
                 kivi.QuantizedValues(codes=store.v_codes, scale=store.v_scale, zero=store.v_zero),
-                bits=self.value_bits, dtype=dtype, blocks=True,
+                bits=self.value_bits,
+                dtype=dtype,
+                blocks=True,
             )
         rotated = self.rotate_keys or self.rotate_values
         rotation = jnp.asarray(hadamard(sum(block.shape[-1] for block in v))) if rotated else None
-        return [Segment(k, v, pos, key_rotation=rotation if self.rotate_keys else None,
-                        value_rotation=rotation if self.rotate_values else None)]
+        return [
+            Segment(
+                k,
+                v,
+                pos,
+                key_rotation=rotation if self.rotate_keys else None,
+                value_rotation=rotation if self.rotate_values else None,
+            )
+        ]
 
     def memory_groups(self, store: QuantRing) -> list:
         """Codes, scales and zeros of the quantised sides; a float side's window tokens as ``window``."""
+
         def present(*names):
             return [getattr(store, name) for name in names if getattr(store, name) is not None]
 
-        groups = [("codes", present("k_codes", "v_codes"), store.pos),
-                  ("scales_zeros", present("k_scale", "k_zero", "v_scale", "v_zero"), store.pos),
-                  ("window", present("k_float", "v_float"), store.pos)]
+        groups = [
+            ("codes", present("k_codes", "v_codes"), store.pos),
+            ("scales_zeros", present("k_scale", "k_zero", "v_scale", "v_zero"), store.pos),
+            ("window", present("k_float", "v_float"), store.pos),
+        ]
         return [group for group in groups if group[1]]
 
     def describe(self) -> str:
@@ -283,4 +318,3 @@ class KiviStorage(Storage):
         rotated = [side for side, on in (("K", self.rotate_keys), ("V", self.rotate_values)) if on]
         extra += f", Hadamard {'+'.join(rotated)}" if rotated else ""
         return f"{k if k == v else f'K {k} V {v}'} (G={self.group_size}, R={self.residual}{extra})"
-

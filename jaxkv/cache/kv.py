@@ -134,8 +134,9 @@ class KVCache:
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
-    def create(cls, spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int,
-               devices=None):
+    def create(
+        cls, spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int, devices=None
+    ):
         """An empty cache: every slot position -1, every length 0.
 
         Its bytes are counted from the leaves' shapes first (nothing allocated) and checked
@@ -150,8 +151,15 @@ class KVCache:
           JaxkvError: a size outside [1, 2**31), or ``head_dim`` not divisible by the codes per byte;
             :class:`~jaxkv.errors.CacheSpecError`: a cache larger than the devices' memory.
         """
-        sizes = {name: check_int(f"KVCache.create: {name}", value, 1, INT32_LIMIT, spaced=False) for name, value in
-                 (("batch", batch), ("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim))}
+        sizes = {
+            name: check_int(f"KVCache.create: {name}", value, 1, INT32_LIMIT, spaced=False)
+            for name, value in (
+                ("batch", batch),
+                ("n_layers", n_layers),
+                ("n_kv_heads", n_kv_heads),
+                ("head_dim", head_dim),
+            )
+        }
         check_fits(spec, devices=devices, **sizes)
         return _created(spec, **sizes)
 
@@ -173,8 +181,11 @@ class KVCache:
 
         store = storage.create_store(spec.policy, lbk=lbk, head_dim=head_dim, batch=batch)
         retention = spec.policy.retention
-        keep = None if retention is None else retention.create(lbk=lbk, head_dim=head_dim, batch=batch, ring=spec.n_ring,
-                                                               store=spec.n_quant)
+        keep = (
+            None
+            if retention is None
+            else retention.create(lbk=lbk, head_dim=head_dim, batch=batch, ring=spec.n_ring, store=spec.n_quant)
+        )
         has_sink = spec.n_sink > 0
         return cls(
             spec=spec,
@@ -199,7 +210,11 @@ class KVCache:
           JaxkvError: a cache that holds tokens, a full cache (its slots are positions), or a
             position outside ``[0, 2**31 - 2**24)``.
         """
-        if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or not 0 <= position < 2**31 - 2**24:
+        if (
+            isinstance(position, bool)
+            or not isinstance(position, (int, np.integer))
+            or not 0 <= position < 2**31 - 2**24
+        ):
             raise JaxkvError(f"starting_at: position={position!r}, expected an integer in [0, 2**31 - 2**24)")
         if not self.spec.bounded and position:
             raise JaxkvError(f"starting_at({position}): a full cache holds positions 0..max_len-1 only: use a window")
@@ -267,16 +282,27 @@ class KVCache:
             keep_rot = self.policy.retention.ranks(keep_pos, self.policy.sink) if self.policy.rope_at_rank else keep_pos
         q_rot_sink, q_rot, k_shift = self.policy.rope_offsets(q_pos, n_keep)
         return Step(
-            spec=self.spec, n=n, q_pos=q_pos, sink_pos=self.sink_pos, ring_pos=self.ring_pos,
+            spec=self.spec,
+            n=n,
+            q_pos=q_pos,
+            sink_pos=self.sink_pos,
+            ring_pos=self.ring_pos,
             store_pos=None if self.quant is None else self.quant.pos,
-            q_rot_sink=q_rot_sink, q_rot=q_rot, k_shift=k_shift, keep_pos=keep_pos, keep_rot=keep_rot,
+            q_rot_sink=q_rot_sink,
+            q_rot=q_rot,
+            k_shift=k_shift,
+            keep_pos=keep_pos,
+            keep_rot=keep_rot,
         )
 
     def layers(self) -> LayerKV:
         """The per-layer leaves, each with a leading L axis: index one layer with
         ``jax.tree.map(lambda a: a[l], cache.layers())`` or feed them to ``lax.scan`` as ``xs``."""
         return LayerKV(
-            sink_k=self.sink_k, sink_v=self.sink_v, ring_k=self.ring_k, ring_v=self.ring_v,
+            sink_k=self.sink_k,
+            sink_v=self.sink_v,
+            ring_k=self.ring_k,
+            ring_v=self.ring_v,
             store=None if self.quant is None else self.quant.replace(pos=None),
             keep=None if self.keep is None else self.policy.retention.layer_view(self.keep),
         )
@@ -313,14 +339,22 @@ class KVCache:
             if isinstance(mass, (list, tuple)) and not isinstance(mass, Mass):
                 mass = mass[0] if len(mass) == 1 else mass
             if retention.attention_scored and not isinstance(mass, Mass):
-                raise JaxkvError(f"this cache's keep tier ({retention.describe()}) ranks tokens by the attention they "
-                                 "receive: call attend(..., mass=True) in every layer and pass "
-                                 "commit(step, k_new, v_new, mass=the masses stacked on L)")
+                raise JaxkvError(
+                    f"this cache's keep tier ({retention.describe()}) ranks tokens by the attention they "
+                    "receive: call attend(..., mass=True) in every layer and pass "
+                    "commit(step, k_new, v_new, mass=the masses stacked on L)"
+                )
             if isinstance(mass, Mass):
                 mass = jax.tree.map(lambda m: jnp.sum(m, axis=0), mass)  # summed over layers
-            keep = retention.rescore(self.keep, ring_slot=ring_slot, n=jnp.where(in_sink, 0, n), chunk=k_new.shape[3],
-                                     mass=mass if retention.attention_scored else None, token_score=token_score,
-                                     batch_parallel=self.batch_sharded)
+            keep = retention.rescore(
+                self.keep,
+                ring_slot=ring_slot,
+                n=jnp.where(in_sink, 0, n),
+                chunk=k_new.shape[3],
+                mass=mass if retention.attention_scored else None,
+                token_score=token_score,
+                batch_parallel=self.batch_sharded,
+            )
         kv = dict(batch_axis=1, slot_axis=3, batch_parallel=self.batch_sharded)
         pos_axes = dict(batch_axis=0, slot_axis=1, batch_parallel=self.batch_sharded)
         k_new, v_new = self.storage.to_container(k_new), self.storage.to_container(v_new, values=True)
@@ -455,15 +489,20 @@ def _resized(spec, field: str, n: int):
     """``spec`` with ``field`` (``window`` or ``max_len``) set to ``n`` on every layer that has it and is
     not a model's local layer (for :class:`LayerSpecs`; local layers keep their window)."""
     if isinstance(spec, LayerSpecs):
-        return LayerSpecs(tuple(_resized(s, field, n) if s.attention_window is None and getattr(s, field) is not None
-                                else s for s in spec.specs))
+        return LayerSpecs(
+            tuple(
+                _resized(s, field, n) if s.attention_window is None and getattr(s, field) is not None else s
+                for s in spec.specs
+            )
+        )
     with warnings.catch_warnings():  # a smaller window than the sinks, while searching: not the user's spec
         warnings.simplefilter("ignore", UserWarning)
         return dataclasses.replace(spec, **{field: n})
 
 
-def check_fits(spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int,
-               devices=None) -> int:
+def check_fits(
+    spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int, devices=None
+) -> int:
     """Bytes of the cache :meth:`KVCache.create` would allocate, checked against the memory of
     ``devices`` (:func:`device_memory`; None: the default device) before anything is allocated.
 
@@ -503,15 +542,24 @@ def check_fits(spec: CacheSpec | LayerSpecs, *, batch: int, n_layers: int, n_kv_
     raise CacheSpecError(
         f"a KV cache of {format_bytes(need)} ({spec.describe()}; batch {batch}, {n_layers} layers, {n_kv_heads} KV heads, "
         f"head dim {head_dim}) is more than the {format_bytes(memory)} of memory of {where}: "
-        + (f"the most that fits is {' or '.join(fits)}" if fits
-           else f"even {{{field}:={low}}} does not fit" if bounded else "not even one row fits"),
-        values, prefix="",
+        + (
+            f"the most that fits is {' or '.join(fits)}"
+            if fits
+            else f"even {{{field}:={low}}} does not fit"
+            if bounded
+            else "not even one row fits"
+        ),
+        values,
+        prefix="",
     )
 
 
 def _deprecated(old: str, new: str = "KVCache.begin") -> None:
-    warnings.warn(f"{old} is deprecated: use {new} (docs/custom_models.md, the three-call contract)",
-                  DeprecationWarning, stacklevel=3)
+    warnings.warn(
+        f"{old} is deprecated: use {new} (docs/custom_models.md, the three-call contract)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def layer_value(x: jax.Array) -> jax.Array:

@@ -46,26 +46,31 @@ class LayeredCache:
     groups: tuple
 
     @classmethod
-    def create(cls, spec: LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int,
-               devices=None) -> LayeredCache:
+    def create(
+        cls, spec: LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int, devices=None
+    ) -> LayeredCache:
         """An empty cache of ``len(spec.specs)`` layers (``n_layers`` must match).
 
         Raises:
           JaxkvError: ``n_layers`` differs from the number of specs, or a bad size or a cache
             larger than the devices' memory (see :meth:`KVCache.create`).
         """
-        return KVCache.create(spec, batch=batch, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                              devices=devices)
+        return KVCache.create(
+            spec, batch=batch, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, devices=devices
+        )
 
     @classmethod
     def _empty(cls, spec: LayerSpecs, *, batch: int, n_layers: int, n_kv_heads: int, head_dim: int) -> LayeredCache:
         """The empty cache of :meth:`KVCache.create` for per-layer specs (sizes and memory checked there)."""
         if n_layers != len(spec.specs):
             raise JaxkvError(f"LayerSpecs holds {len(spec.specs)} layer specs, but the model has n_layers={n_layers}")
-        return cls(spec=spec, groups=tuple(
-            KVCache._empty(s, batch=batch, n_layers=b - a, n_kv_heads=n_kv_heads, head_dim=head_dim)
-            for s, a, b in spec.runs
-        ))
+        return cls(
+            spec=spec,
+            groups=tuple(
+                KVCache._empty(s, batch=batch, n_layers=b - a, n_kv_heads=n_kv_heads, head_dim=head_dim)
+                for s, a, b in spec.runs
+            ),
+        )
 
     def starting_at(self, position: int) -> LayeredCache:
         """Every run starting at ``position`` (see :meth:`KVCache.starting_at`)."""
@@ -107,10 +112,12 @@ class LayeredCache:
         """Write the new keys/values ``[L, B, K, T, H]`` of every layer (all L, in layer order);
         ``mass``: one entry per run (see :meth:`KVCache.commit`), or None."""
         masses = [None] * len(self.groups) if mass is None else list(mass)
-        return self.replace(groups=tuple(
-            g.commit(s, k_new[a:b], v_new[a:b], mass=m)
-            for (_, a, b), s, g, m in zip(self.spec.runs, step.steps, self.groups, masses)
-        ))
+        return self.replace(
+            groups=tuple(
+                g.commit(s, k_new[a:b], v_new[a:b], mass=m)
+                for (_, a, b), s, g, m in zip(self.spec.runs, step.steps, self.groups, masses)
+            )
+        )
 
 
 register_per_layer_empty(LayeredCache._empty)  # KVCache.create(LayerSpecs(...)) -> a LayeredCache

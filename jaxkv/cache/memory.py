@@ -59,7 +59,9 @@ class MemoryReport:
         if self.bits_per_element is not None:
             line += f"; {bits_text(self.store_bits, self.bits_per_element)}"
         if len(self.by_spec) > 1:
-            line += "; " + "; ".join(f"{n} layer{'s' if n > 1 else ''} of {desc}: {format_bytes(b)}" for desc, n, b in self.by_spec)
+            line += "; " + "; ".join(
+                f"{n} layer{'s' if n > 1 else ''} of {desc}: {format_bytes(b)}" for desc, n, b in self.by_spec
+            )
         return line
 
 
@@ -75,6 +77,7 @@ def element_bits(cache) -> tuple[float | None, float]:
       capacity (``2 * L * B * K * C * H``). Positions and lengths (bookkeeping) are left out
       of both. A :class:`LayeredCache` sums over its runs of layers.
     """
+
     def nbytes(leaves):
         return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves if x is not None)
 
@@ -121,7 +124,10 @@ def memory_report(cache: KVCache | LayeredCache) -> MemoryReport:
     by_spec = {}
     for part in getattr(cache, "groups", (cache,)):  # a LayeredCache: every run of layers
         layers, nbytes = by_spec.get(part.spec.describe(), (0, 0))
-        by_spec[part.spec.describe()] = (layers + part.ring_k.shape[0], nbytes + sum(int(x.nbytes) for x in jax.tree.leaves(part)))
+        by_spec[part.spec.describe()] = (
+            layers + part.ring_k.shape[0],
+            nbytes + sum(int(x.nbytes) for x in jax.tree.leaves(part)),
+        )
         if part.sink_k is not None:
             add("sinks", [part.sink_k, part.sink_v], part.sink_pos)
         add(part.storage.ring_group or part.policy.ring_group, [part.ring_k, part.ring_v], part.ring_pos)

@@ -175,12 +175,21 @@ class Retention:
             if self.rotate_keys or self.rotate_values:
                 hadamard(head_dim)  # refuses a head_dim that is not a power of two
             leaves = {name: jnp.zeros(lbk + (c, head_dim * self.bits // 8), jnp.uint8) for name in "kv"}
-            leaves.update({f"{side}_{name}": fill(lbk + (c,), self.scale_dtype) for side in "kv"
-                           for name, fill in (("scale", jnp.ones), ("zero", jnp.zeros))})
+            leaves.update(
+                {
+                    f"{side}_{name}": fill(lbk + (c,), self.scale_dtype)
+                    for side in "kv"
+                    for name, fill in (("scale", jnp.ones), ("zero", jnp.zeros))
+                }
+            )
         score = jnp.zeros((batch, c), jnp.float32) if self.tracked else None
-        return KeepTier(**{name: leaves.get(name) for name in _TOKEN_LEAVES}, pos=jnp.full((batch, c), -1, jnp.int32),
-                        score=score, ring_score=jnp.zeros((batch, ring), jnp.float32) if self.tracked else None,
-                        store_score=jnp.zeros((batch, store), jnp.float32) if self.tracked and store else None)
+        return KeepTier(
+            **{name: leaves.get(name) for name in _TOKEN_LEAVES},
+            pos=jnp.full((batch, c), -1, jnp.int32),
+            score=score,
+            ring_score=jnp.zeros((batch, ring), jnp.float32) if self.tracked else None,
+            store_score=jnp.zeros((batch, store), jnp.float32) if self.tracked and store else None,
+        )
 
     def layer_view(self, tier: KeepTier) -> KeepTier:
         """The per-layer leaves (k, v, scales) without the per-row arrays."""
@@ -205,8 +214,13 @@ class Retention:
         k = kivi.dequantize_values(kivi.QuantizedValues(tier.k, tier.k_scale, tier.k_zero), bits=self.bits, dtype=dtype)
         v = kivi.dequantize_values(kivi.QuantizedValues(tier.v, tier.v_scale, tier.v_zero), bits=self.bits, dtype=dtype)
         m = jnp.asarray(hadamard(k.shape[-1])) if self.rotate_keys or self.rotate_values else None
-        return Segment([k], [v], pos, key_rotation=m if self.rotate_keys else None,
-                       value_rotation=m if self.rotate_values else None)
+        return Segment(
+            [k],
+            [v],
+            pos,
+            key_rotation=m if self.rotate_keys else None,
+            value_rotation=m if self.rotate_values else None,
+        )
 
     def memory_groups(self, tier: KeepTier) -> list:
         """``[("keep", leaves, pos)]`` for the memory report (codes, scales and zeros, or floats)."""
@@ -239,8 +253,17 @@ class Retention:
             score = jnp.take_along_axis(carried, leaving.slots, axis=1)
         return self._admit(tier, cand, leaving.pos, score)
 
-    def rescore(self, tier: KeepTier, *, ring_slot, n, chunk: int, mass: Mass | None, token_score=None,
-                batch_parallel: bool = False) -> KeepTier:
+    def rescore(
+        self,
+        tier: KeepTier,
+        *,
+        ring_slot,
+        n,
+        chunk: int,
+        mass: Mass | None,
+        token_score=None,
+        batch_parallel: bool = False,
+    ) -> KeepTier:
         """The scores after a call appended ``n[b]`` tokens at ring slot ``ring_slot[b]``: the tier's
         and the window's slots take the call's mass (``h2o`` adds it, ``tova`` replaces), the new
         tokens' slots their own mass; a ``snapkv`` cache gives them ``token_score`` (a replay's
@@ -258,9 +281,11 @@ class Retention:
             new = jnp.full((n.shape[0], chunk), -jnp.inf, jnp.float32) if token_score is None else token_score
             return tier.replace(ring_score=write_ring(tier.ring_score, new.astype(jnp.float32), ring_slot, n, **put))
         h2o = self.rule == "h2o"
-        scores = {name: (getattr(tier, name) + m if h2o else m) for name, m in
-                  (("score", mass.keep), ("ring_score", mass.ring), ("store_score", mass.store))
-                  if getattr(tier, name) is not None}
+        scores = {
+            name: (getattr(tier, name) + m if h2o else m)
+            for name, m in (("score", mass.keep), ("ring_score", mass.ring), ("store_score", mass.store))
+            if getattr(tier, name) is not None
+        }
         scores["ring_score"] = write_ring(scores["ring_score"], mass.chunk, ring_slot, n, **put)
         return tier.replace(**scores)
 
@@ -288,10 +313,13 @@ class Retention:
                 sizes = (old.shape[0], 1, old.shape[2], 1) + old.shape[4:]
                 new = lax.dynamic_slice(x, (0, b, 0, j) + (0,) * (x.ndim - 4), sizes)
                 put[name] = lax.dynamic_update_slice(old, jnp.where(take, new, lax.dynamic_slice(old, idx, sizes)), idx)
-            put["pos"] = lax.dynamic_update_slice(tier.pos, jnp.where(take, p, tier.pos[b, slot])[None, None], (b, slot))
+            put["pos"] = lax.dynamic_update_slice(
+                tier.pos, jnp.where(take, p, tier.pos[b, slot])[None, None], (b, slot)
+            )
             if self.tracked:
                 put["score"] = lax.dynamic_update_slice(
-                    tier.score, jnp.where(take, cand_score[b, j], tier.score[b, slot])[None, None], (b, slot))
+                    tier.score, jnp.where(take, cand_score[b, j], tier.score[b, slot])[None, None], (b, slot)
+                )
             return tier.replace(**put)
 
         return lax.fori_loop(0, b_rows * t, one, tier)

@@ -75,13 +75,15 @@ def write_ring(buf, new, start, n, *, batch_axis: int, slot_axis: int, batch_par
         return buf
 
     if batch_parallel:
+
         def one_row(buf_row, new_row, o, m):  # the batch axis removed by vmap; restored as size 1
             grow = lambda x: jnp.expand_dims(x, batch_axis)  # noqa: E731
             return jnp.squeeze(row_update(grow(buf_row), jnp.int32(0), o, m, grow(new_row)), batch_axis)
 
         return jax.vmap(one_row, in_axes=(batch_axis, batch_axis, 0, 0), out_axes=batch_axis)(buf, new, start, n)
     return lax.fori_loop(
-        0, start.shape[0],
+        0,
+        start.shape[0],
         lambda b, buf: row_update(buf, b, start[b], n[b], lax.dynamic_slice_in_dim(new, b, 1, batch_axis)),
         buf,
     )

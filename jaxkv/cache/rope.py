@@ -76,8 +76,16 @@ class Rope:
         return cls(tuple(f / factor for f in cls.default(theta, head_dim).inv_freq), "linear")
 
     @classmethod
-    def llama3(cls, theta: float, head_dim: int, *, factor: float, low_freq_factor: float,
-               high_freq_factor: float, original_max_position_embeddings: int) -> Rope:
+    def llama3(
+        cls,
+        theta: float,
+        head_dim: int,
+        *,
+        factor: float,
+        low_freq_factor: float,
+        high_freq_factor: float,
+        original_max_position_embeddings: int,
+    ) -> Rope:
         """Llama 3.1's frequency-dependent scaling (HF ``rope_type="llama3"``; Meta's
         ``apply_scaling``): wavelengths longer than ``original / low_freq_factor`` tokens are
         divided by ``factor``, shorter than ``original / high_freq_factor`` kept, and those in
@@ -87,12 +95,17 @@ class Rope:
           JaxkvError: a parameter that is not a positive number, or
             ``high_freq_factor <= low_freq_factor``.
         """
-        for name, value in (("factor", factor), ("low_freq_factor", low_freq_factor),
-                            ("high_freq_factor", high_freq_factor),
-                            ("original_max_position_embeddings", original_max_position_embeddings)):
+        for name, value in (
+            ("factor", factor),
+            ("low_freq_factor", low_freq_factor),
+            ("high_freq_factor", high_freq_factor),
+            ("original_max_position_embeddings", original_max_position_embeddings),
+        ):
             _positive(f"llama3 {name}", value)
         if high_freq_factor <= low_freq_factor:
-            raise JaxkvError(f"llama3 RoPE scaling: high_freq_factor={high_freq_factor} must exceed low_freq_factor={low_freq_factor}")
+            raise JaxkvError(
+                f"llama3 RoPE scaling: high_freq_factor={high_freq_factor} must exceed low_freq_factor={low_freq_factor}"
+            )
         base = np.asarray(cls.default(theta, head_dim).inv_freq)
         wavelen = 2 * np.pi / base
         low_wavelen = original_max_position_embeddings / low_freq_factor

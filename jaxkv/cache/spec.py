@@ -27,7 +27,10 @@ KV_MODES = FLOAT_MODES + QUANT_MODES
 SCALE_DTYPES = ("float16", "float32")
 RESIDUAL_DTYPES = ("float32", "float16", "bfloat16")
 HADAMARD_SIDES = {"none": (False, False), "keys": (True, False), "values": (False, True), "both": (True, True)}
-LEVERS = {"pre-rope": {"pre_rope_keys": True}, **{f"hadamard-{side}": {"hadamard": side} for side in HADAMARD_SIDES if side != "none"}}
+LEVERS = {
+    "pre-rope": {"pre_rope_keys": True},
+    **{f"hadamard-{side}": {"hadamard": side} for side in HADAMARD_SIDES if side != "none"},
+}
 """Storage options of the benchmark's and the audit's mode strings (``int2+pre-rope+hadamard-values``)
 and the :class:`CacheSpec` fields each sets."""
 
@@ -46,17 +49,32 @@ def lever_fields(names) -> dict:
     return fields
 
 
-def make_storage(kv_quantize: str, v_quantize: str | None = None, *, group_size: int = 32, residual: int = 128,
-                 scale_dtype: str = "float16", residual_dtype: str = "float32", hadamard: str = "none") -> Storage:
+def make_storage(
+    kv_quantize: str,
+    v_quantize: str | None = None,
+    *,
+    group_size: int = 32,
+    residual: int = 128,
+    scale_dtype: str = "float16",
+    residual_dtype: str = "float32",
+    hadamard: str = "none",
+) -> Storage:
     """The :class:`Storage` of keys in ``kv_quantize`` and values in ``v_quantize`` (None: the
     keys' mode), values as :class:`CacheSpec` takes them (validated there). The one place a
     storage kind is chosen by name: KIVI when either side is int8/int4/int2, else float."""
     value_kind = None if v_quantize in (None, kv_quantize) else v_quantize
     if kv_quantize in QUANT_MODES or value_kind in QUANT_MODES:
         rotate_keys, rotate_values = HADAMARD_SIDES[hadamard]
-        return KiviStorage(kind=kv_quantize, group_size=group_size, residual=residual, scale_dtype=scale_dtype,
-                           value_kind=value_kind, residual_dtype=residual_dtype, rotate_keys=rotate_keys,
-                           rotate_values=rotate_values)
+        return KiviStorage(
+            kind=kv_quantize,
+            group_size=group_size,
+            residual=residual,
+            scale_dtype=scale_dtype,
+            value_kind=value_kind,
+            residual_dtype=residual_dtype,
+            rotate_keys=rotate_keys,
+            rotate_values=rotate_values,
+        )
     return FloatStorage(kind=kv_quantize, value_kind=value_kind)
 
 
@@ -145,10 +163,17 @@ class CacheSpec:
     keep_quantize: str | None = None
 
     def __post_init__(self):
-        for name, accepted in (("kv_quantize", KV_MODES), ("k_quantize", KV_MODES), ("v_quantize", KV_MODES),
-                               ("positions", POSITION_MODES), ("scale_dtype", SCALE_DTYPES),
-                               ("residual_dtype", RESIDUAL_DTYPES), ("hadamard", tuple(HADAMARD_SIDES)),
-                               ("keep_score", KEEP_RULES), ("keep_quantize", KV_MODES)):
+        for name, accepted in (
+            ("kv_quantize", KV_MODES),
+            ("k_quantize", KV_MODES),
+            ("v_quantize", KV_MODES),
+            ("positions", POSITION_MODES),
+            ("scale_dtype", SCALE_DTYPES),
+            ("residual_dtype", RESIDUAL_DTYPES),
+            ("hadamard", tuple(HADAMARD_SIDES)),
+            ("keep_score", KEEP_RULES),
+            ("keep_quantize", KV_MODES),
+        ):
             value = getattr(self, name)
             if value is None and name in ("k_quantize", "v_quantize", "keep_quantize"):
                 continue
@@ -164,18 +189,31 @@ class CacheSpec:
         tier_quantized = self.keep_quantize in QUANT_MODES
         for side, mode, rotated in zip(("keys", "values"), (k, v), HADAMARD_SIDES[self.hadamard]):
             if rotated and mode not in QUANT_MODES and not tier_quantized:
-                self._refuse(f"{{hadamard}} rotates the {side} before quantising them, but this cache stores them as "
-                             f"{mode}: rotate int8/int4/int2 sides only")
+                self._refuse(
+                    f"{{hadamard}} rotates the {side} before quantising them, but this cache stores them as "
+                    f"{mode}: rotate int8/int4/int2 sides only"
+                )
         if HADAMARD_SIDES[self.hadamard][0] and self.pre_rope_keys:
             why = "{positions}" if self.positions == "cache" else "{pre_rope_keys:name}"
-            self._refuse("{hadamard} rotates keys stored after RoPE, but " + why + " stores them before it (they "
-                         "would be rotated back at every read): use {hadamard:=values}, or {positions:=absolute} "
-                         "without {pre_rope_keys:name}")
+            self._refuse(
+                "{hadamard} rotates keys stored after RoPE, but " + why + " stores them before it (they "
+                "would be rotated back at every read): use {hadamard:=values}, or {positions:=absolute} "
+                "without {pre_rope_keys:name}"
+            )
         if self.residual_dtype != "float32" and not self.quantized:
-            self._refuse(f"{{residual_dtype}} is for a quantised cache (int8, int4 or int2 keys or values): this one "
-                         f"stores keys as {k} and values as {v}, sinks and window included")
-        for name, minimum in (("sink", 0), ("max_len", 1), ("window", 1), ("attention_window", 1),
-                              ("group_size", 1), ("residual", 1), ("keep", 0)):
+            self._refuse(
+                f"{{residual_dtype}} is for a quantised cache (int8, int4 or int2 keys or values): this one "
+                f"stores keys as {k} and values as {v}, sinks and window included"
+            )
+        for name, minimum in (
+            ("sink", 0),
+            ("max_len", 1),
+            ("window", 1),
+            ("attention_window", 1),
+            ("group_size", 1),
+            ("residual", 1),
+            ("keep", 0),
+        ):
             value = getattr(self, name)
             if value is None and name in ("max_len", "window", "attention_window"):
                 continue
@@ -191,19 +229,28 @@ class CacheSpec:
                 self._refuse("{max_len}: a full cache (window=None) needs max_len, the number of slots")
         else:
             if self.max_len is not None:
-                warnings.warn(f"CacheSpec(max_len={self.max_len}, window={self.window}): a StreamingLLM cache "
-                              "(window set) has no max_len, so max_len is ignored: pass one of them", stacklevel=3)
+                warnings.warn(
+                    f"CacheSpec(max_len={self.max_len}, window={self.window}): a StreamingLLM cache "
+                    "(window set) has no max_len, so max_len is ignored: pass one of them",
+                    stacklevel=3,
+                )
             if self.sink > self.window:
-                warnings.warn(f"CacheSpec(sink={self.sink}, window={self.window}): more sinks than window tokens; "
-                              "StreamingLLM keeps a few sinks (e.g. 4) before a much larger window", stacklevel=3)
+                warnings.warn(
+                    f"CacheSpec(sink={self.sink}, window={self.window}): more sinks than window tokens; "
+                    "StreamingLLM keeps a few sinks (e.g. 4) before a much larger window",
+                    stacklevel=3,
+                )
         if self.quantized:
             self._check_groups()
         self._check_keep()
         if self.capacity >= INT32_LIMIT:
             sizes = "{sink} + {window}" if self.bounded else "{max_len}"
-            self._refuse(sizes + (" + {residual}" if self.quantized else "")
-                         + f" make {self.capacity} slots: expected fewer than 2**31 (positions and slots are int32)",
-                         prefix="CacheSpec: ")
+            self._refuse(
+                sizes
+                + (" + {residual}" if self.quantized else "")
+                + f" make {self.capacity} slots: expected fewer than 2**31 (positions and slots are int32)",
+                prefix="CacheSpec: ",
+            )
 
     def _refuse(self, template: str, *, prefix: str = "CacheSpec."):
         raise CacheSpecError(template, {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, prefix=prefix)
@@ -214,12 +261,16 @@ class CacheSpec:
             object.__setattr__(self, "keep_quantize", None)  # the window's own mode: one canonical spec
         if self.keep:
             if self.window is None:
-                self._refuse("{keep} keeps tokens that leave a window, but this is a full cache (it keeps every "
-                             "token): pass {window:=W}, or {keep:=0}")
+                self._refuse(
+                    "{keep} keeps tokens that leave a window, but this is a full cache (it keeps every "
+                    "token): pass {window:=W}, or {keep:=0}"
+                )
             if self.quantized and self.keep_quantize in QUANT_MODES:
-                self._refuse("{keep_quantize} would quantise a KIVI window's tokens a second time as they leave it "
-                             "(a code is quantised once): keep the tier in float ({keep_quantize:=None}, the "
-                             "residual's dtype), or quantise a float window's tier")
+                self._refuse(
+                    "{keep_quantize} would quantise a KIVI window's tokens a second time as they leave it "
+                    "(a code is quantised once): keep the tier in float ({keep_quantize:=None}, the "
+                    "residual's dtype), or quantise a float window's tier"
+                )
         elif self.keep_score != "recent" and self.window is not None:
             self._refuse("{keep_score} chooses the tokens of a keep tier, but {keep} keeps none: pass {keep:=C} slots")
         elif self.keep_score not in ("recent", "h2o"):
@@ -242,25 +293,44 @@ class CacheSpec:
             return
         if w % g:
             below, above = w - w % g, max(w - w % g + g, r)
-            use = (f"{{window:={below}}} or {above}" if below >= r
-                   else f"{{window:={above}}}, the smallest that holds {{residual}}")
-            self._refuse(f"{{window}} is not a multiple of {{group_size}}: the quantised window evicts whole groups; use {use}")
+            use = (
+                f"{{window:={below}}} or {above}"
+                if below >= r
+                else f"{{window:={above}}}, the smallest that holds {{residual}}"
+            )
+            self._refuse(
+                f"{{window}} is not a multiple of {{group_size}}: the quantised window evicts whole groups; use {use}"
+            )
         if r > w:
-            self._refuse(f"{{residual}} is larger than {{window}}: a flush of the residual must fit in the window; "
-                         f"use {{window:={r}}} or more, or {{residual:={w}}} or less")
+            self._refuse(
+                f"{{residual}} is larger than {{window}}: a flush of the residual must fit in the window; "
+                f"use {{window:={r}}} or more, or {{residual:={w}}} or less"
+            )
 
     # ---- the typed parts ----------------------------------------------------------------------
     @functools.cached_property
     def storage(self) -> Storage:
         """The :class:`jaxkv.cache.storage.Storage` of :attr:`kv_modes` (float or KIVI)."""
-        return make_storage(*self.kv_modes, group_size=self.group_size, residual=self.residual,
-                            scale_dtype=self.scale_dtype, residual_dtype=self.residual_dtype, hadamard=self.hadamard)
+        return make_storage(
+            *self.kv_modes,
+            group_size=self.group_size,
+            residual=self.residual,
+            scale_dtype=self.scale_dtype,
+            residual_dtype=self.residual_dtype,
+            hadamard=self.hadamard,
+        )
 
     @functools.cached_property
     def policy(self) -> Policy:
         """The :class:`jaxkv.cache.policy.Policy`: a full cache or StreamingLLM sinks + window."""
-        common = dict(sink=self.sink, positions=self.positions, pre_rope=self.pre_rope_keys, flush=self.storage.flush,
-                      attention_window=self.attention_window or 0, retention=self.retention)
+        common = dict(
+            sink=self.sink,
+            positions=self.positions,
+            pre_rope=self.pre_rope_keys,
+            flush=self.storage.flush,
+            attention_window=self.attention_window or 0,
+            retention=self.retention,
+        )
         if self.window is None:
             return FullCache(max_len=self.max_len, **common)
         return StreamingLLM(window=self.window, **common)
@@ -272,8 +342,14 @@ class CacheSpec:
             return None
         kind = self.keep_quantize or self._window_float
         rotate_keys, rotate_values = HADAMARD_SIDES[self.hadamard] if kind in QUANT_MODES else (False, False)
-        return Retention(slots=self.keep, rule=self.keep_score, kind=kind, scale_dtype=self.scale_dtype,
-                         rotate_keys=rotate_keys, rotate_values=rotate_values)
+        return Retention(
+            slots=self.keep,
+            rule=self.keep_score,
+            kind=kind,
+            scale_dtype=self.scale_dtype,
+            rotate_keys=rotate_keys,
+            rotate_values=rotate_values,
+        )
 
     @property
     def _window_float(self) -> str:
@@ -288,8 +364,14 @@ class CacheSpec:
         the attention each slot receives tracked (``keep_score="h2o"``); its prompt is then
         replayed into a cache of this spec (:func:`jaxkv.decode.loop.prefill`)."""
         k, v = self.kv_modes
-        return CacheSpec(max_len=max_len, kv_quantize=v, k_quantize=k, positions=self.positions,
-                         pre_rope_keys=self.pre_rope_keys, keep_score="h2o")
+        return CacheSpec(
+            max_len=max_len,
+            kv_quantize=v,
+            k_quantize=k,
+            positions=self.positions,
+            pre_rope_keys=self.pre_rope_keys,
+            keep_score="h2o",
+        )
 
     def local(self, window: int) -> CacheSpec:
         """This spec for a model's local attention layer over its last ``window`` tokens
@@ -309,8 +391,16 @@ class CacheSpec:
         if self.window is None and self.max_len is not None:
             kept = min(kept, self.max_len)
         try:
-            return dataclasses.replace(self, sink=0, window=kept, max_len=None, attention_window=window, keep=0,
-                                       keep_score="recent", keep_quantize=None)
+            return dataclasses.replace(
+                self,
+                sink=0,
+                window=kept,
+                max_len=None,
+                attention_window=window,
+                keep=0,
+                keep_score="recent",
+                keep_quantize=None,
+            )
         except JaxkvError as e:
             raise JaxkvError(f"the model's local layers keep its sliding window of {window} tokens: {e}") from None
 
@@ -446,12 +536,21 @@ class LayerSpecs:
         return np.min([spec.policy.plan_chunk(length, remaining, chunk) for spec, _, _ in self.runs], axis=0)
 
     def describe(self) -> str:
-        return "; ".join(f"layers {a}-{b - 1}: {s.describe()}" if b - a > 1 else f"layer {a}: {s.describe()}"
-                         for s, a, b in self.runs)
+        return "; ".join(
+            f"layers {a}-{b - 1}: {s.describe()}" if b - a > 1 else f"layer {a}: {s.describe()}"
+            for s, a, b in self.runs
+        )
 
     @classmethod
-    def boosted(cls, base: CacheSpec, n_layers: int, layers, mode: str = "int8", *,
-                names: tuple[str, str] = ("LayerSpecs.boosted: layers", "LayerSpecs.boosted: mode")) -> LayerSpecs:
+    def boosted(
+        cls,
+        base: CacheSpec,
+        n_layers: int,
+        layers,
+        mode: str = "int8",
+        *,
+        names: tuple[str, str] = ("LayerSpecs.boosted: layers", "LayerSpecs.boosted: mode"),
+    ) -> LayerSpecs:
         """``base`` on every layer but ``layers``, whose keys and values are stored in ``mode``:
         more bits for the few layers a low-bit cache hurts most (see
         :func:`jaxkv.eval.layer_sensitivity`, which finds them).
@@ -485,15 +584,18 @@ class LayerSpecs:
         if int_problem(n_layers, 1) is not None:
             raise JaxkvError(f"LayerSpecs.boosted: n_layers={n_layers!r}: {int_problem(n_layers, 1)}")
         if not isinstance(mode, str) or mode not in KV_MODES:
-            raise JaxkvError(f"{mode_name} {mode if isinstance(mode, str) else repr(mode)}: expected one of "
-                             f"{', '.join(KV_MODES)}")
+            raise JaxkvError(
+                f"{mode_name} {mode if isinstance(mode, str) else repr(mode)}: expected one of {', '.join(KV_MODES)}"
+            )
         shown = ",".join(map(str, layers)) if isinstance(layers, (tuple, list)) else repr(layers)
         if not isinstance(layers, (tuple, list)) or not layers:
             raise JaxkvError(f"{layers_name} {shown}: expected one or more layer indices in [0, {n_layers})")
         for i, layer in enumerate(layers):
             if int_problem(layer, 0, n_layers) is not None:
-                raise JaxkvError(f"{layers_name} {shown}: layer {layer!r} is out of range: the model has "
-                                 f"{n_layers} layers (0-{n_layers - 1})")
+                raise JaxkvError(
+                    f"{layers_name} {shown}: layer {layer!r} is out of range: the model has "
+                    f"{n_layers} layers (0-{n_layers - 1})"
+                )
             if layer in layers[:i]:
                 raise JaxkvError(f"{layers_name} {shown}: layer {layer} is given twice")
 
@@ -503,12 +605,19 @@ class LayerSpecs:
         if any(bits(mode) < bits(m) for m in base.kv_modes) or all(bits(mode) == bits(m) for m in base.kv_modes):
             k, v = base.kv_modes
             sides = f"{k} keys and values" if k == v else f"{k} keys and {v} values"
-            raise JaxkvError(f"{mode_name} {mode} does not raise the precision of the cache's {sides} (nothing "
-                             "to boost): boost an int8, int4 or int2 cache to a mode of more bits per element "
-                             "(int2 < int4 < int8 < fp16 = bf16 < fp32)")
+            raise JaxkvError(
+                f"{mode_name} {mode} does not raise the precision of the cache's {sides} (nothing "
+                "to boost): boost an int8, int4 or int2 cache to a mode of more bits per element "
+                "(int2 < int4 < int8 < fp16 = bf16 < fp32)"
+            )
         quantized = mode in QUANT_MODES  # a float mode: float32 sinks/window of its own mode, nothing rotated
-        boost = dataclasses.replace(base, kv_quantize=mode, k_quantize=None, v_quantize=None,
-                                    residual_dtype=base.residual_dtype if quantized else "float32",
-                                    hadamard=base.hadamard if quantized else "none")
+        boost = dataclasses.replace(
+            base,
+            kv_quantize=mode,
+            k_quantize=None,
+            v_quantize=None,
+            residual_dtype=base.residual_dtype if quantized else "float32",
+            hadamard=base.hadamard if quantized else "none",
+        )
         chosen = {int(layer) for layer in layers}
         return cls(tuple(boost if i in chosen else base for i in range(n_layers)))

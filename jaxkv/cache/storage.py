@@ -146,7 +146,9 @@ class Storage:
         r = cache.ring_pos.shape[1]
         j = jnp.arange(min(chunk, r), dtype=jnp.int32)
         slots = (ring_slot[:, None] + j[None]) % r  # [B, M]
-        pos = jnp.where(j[None] < jnp.where(in_sink, 0, n)[:, None], jnp.take_along_axis(cache.ring_pos, slots, axis=1), -1)
+        pos = jnp.where(
+            j[None] < jnp.where(in_sink, 0, n)[:, None], jnp.take_along_axis(cache.ring_pos, slots, axis=1), -1
+        )
         take = lambda x: self.read(jnp.take_along_axis(x, slots[None, :, None, :, None], axis=3)).astype(jnp.float32)  # noqa: E731
         return Leaving(take(cache.ring_k), take(cache.ring_v), pos, slots)
 

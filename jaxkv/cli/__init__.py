@@ -20,7 +20,9 @@ __all__ = ["add_cache_flags", "build_parser", "cache_spec_from_args", "command",
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(prog="jaxkv", description="Long-context decoding with a bounded, quantised KV cache.")
+    parser = argparse.ArgumentParser(
+        prog="jaxkv", description="Long-context decoding with a bounded, quantised KV cache."
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in (sample, chat, serve, ppl, eval, batch, bench, info):

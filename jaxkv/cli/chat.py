@@ -29,22 +29,59 @@ from jaxkv.io import load_model
 def add_parser(sub) -> None:
     c = sub.add_parser("chat", help="chat with a model over one bounded cache (multi-turn, resumable)")
     add_model_flags(c)
-    c.add_argument("--tokens", type=int, default=256, metavar="N", help="tokens per reply at most (default: %(default)s)")
-    add_sampler_flags(c, temperature=None, temperature_help="0 = greedy (default: 0, or the resumed file's sampler)",
-                      seed=None, seed_help="PRNG seed in [0, 2**32) (default: 0, or the resumed file's)")
-    c.add_argument("--system", default=None, metavar="TEXT", help="system message of a new conversation (default: none)")
-    c.add_argument("--cache-file", default=None, metavar="PATH",
-                   help="resume from PATH if it exists; save there after every turn (default: none, nothing saved)")
+    c.add_argument(
+        "--tokens", type=int, default=256, metavar="N", help="tokens per reply at most (default: %(default)s)"
+    )
+    add_sampler_flags(
+        c,
+        temperature=None,
+        temperature_help="0 = greedy (default: 0, or the resumed file's sampler)",
+        seed=None,
+        seed_help="PRNG seed in [0, 2**32) (default: 0, or the resumed file's)",
+    )
+    c.add_argument(
+        "--system", default=None, metavar="TEXT", help="system message of a new conversation (default: none)"
+    )
+    c.add_argument(
+        "--cache-file",
+        default=None,
+        metavar="PATH",
+        help="resume from PATH if it exists; save there after every turn (default: none, nothing saved)",
+    )
     add_tokenizer_flag(c)
-    c.add_argument("--chat-template", default=None, metavar="JINJA|FILE",
-                   help="chat template (text or a file) overriding the model's (default: the model's)")
-    add_cache_flags(c, defaults={dest: f"{shown}, or the resumed file's" for dest, shown in (
-        ("streaming_llm_sink", "4"), ("streaming_llm_window", "what fills min(1024, the model's trained context) with the sinks"),
-        ("positions", "cache"), ("kv_quantize", "fp32"), ("kv_group_size", str(CacheSpec.group_size)),
-        ("kv_residual", str(CacheSpec.residual)), ("max_len", "none, a StreamingLLM cache"), ("kv_boost_layers", "none"),
-        ("kv_boost_quantize", BOOST_MODE))})
-    c.set_defaults(func=run, streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize=None,
-                   kv_group_size=None, kv_residual=None, positions=None)  # None = not given (chat picks defaults)
+    c.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="JINJA|FILE",
+        help="chat template (text or a file) overriding the model's (default: the model's)",
+    )
+    add_cache_flags(
+        c,
+        defaults={
+            dest: f"{shown}, or the resumed file's"
+            for dest, shown in (
+                ("streaming_llm_sink", "4"),
+                ("streaming_llm_window", "what fills min(1024, the model's trained context) with the sinks"),
+                ("positions", "cache"),
+                ("kv_quantize", "fp32"),
+                ("kv_group_size", str(CacheSpec.group_size)),
+                ("kv_residual", str(CacheSpec.residual)),
+                ("max_len", "none, a StreamingLLM cache"),
+                ("kv_boost_layers", "none"),
+                ("kv_boost_quantize", BOOST_MODE),
+            )
+        },
+    )
+    c.set_defaults(
+        func=run,
+        streaming_llm_sink=None,
+        streaming_llm_window=None,
+        max_len=None,
+        kv_quantize=None,
+        kv_group_size=None,
+        kv_residual=None,
+        positions=None,
+    )  # None = not given (chat picks defaults)
 
 
 CHAT_HELP = (
@@ -53,8 +90,15 @@ CHAT_HELP = (
 )
 
 
-def chat_loop(session: ChatSession, *, cache_file: str | None = None, stdin=None, stdout=None, stderr=None,
-              interactive: bool | None = None) -> None:
+def chat_loop(
+    session: ChatSession,
+    *,
+    cache_file: str | None = None,
+    stdin=None,
+    stdout=None,
+    stderr=None,
+    interactive: bool | None = None,
+) -> None:
     """The interactive loop of ``jaxkv chat``: read a message, stream the reply, save the session.
 
     On a terminal it prompts with ``> `` (line editing through ``readline`` when available)
@@ -68,8 +112,11 @@ def chat_loop(session: ChatSession, *, cache_file: str | None = None, stdin=None
     if interactive:
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401  (line editing for input())
-        print(f"[jaxkv chat: {session.model.config.name}; cache {session.spec.describe()}; {CHAT_HELP}]",
-              file=stderr, flush=True)
+        print(
+            f"[jaxkv chat: {session.model.config.name}; cache {session.spec.describe()}; {CHAT_HELP}]",
+            file=stderr,
+            flush=True,
+        )
 
     def write(piece: str) -> None:
         stdout.write(piece)
@@ -119,8 +166,11 @@ def chat_loop(session: ChatSession, *, cache_file: str | None = None, stdin=None
             continue
         write("\n")
         if session.finish_reason == "cache_full":
-            print("[the full cache is used up: /reset, or chat with a StreamingLLM cache (--streaming-llm-window M)]",
-                  file=stderr, flush=True)
+            print(
+                "[the full cache is used up: /reset, or chat with a StreamingLLM cache (--streaming-llm-window M)]",
+                file=stderr,
+                flush=True,
+            )
         if cache_file:
             _save(session, cache_file)
 
@@ -144,11 +194,25 @@ def run(args) -> None:
     sampler = sampler_from_args(args, temperature=args.temperature or 0.0)  # checked, --seed too, before loading
     if all(v is None for v in (args.temperature, args.top_k, args.top_p)):
         sampler = None  # not given: greedy, or the resumed file's
-    flags = dict(streaming_llm_sink=None, streaming_llm_window=None, max_len=None, kv_quantize="fp32",
-                 kv_group_size=None, kv_residual=None, positions="cache",  # None: resolved by kivi_flags
-                 kv_quantize_k=None, kv_quantize_v=None, kv_residual_dtype=None,  # None: CacheSpec's
-                 kv_pre_rope=None, kv_hadamard=None, kv_keep=None, kv_keep_score=None, kv_keep_quantize=None,
-                 kv_boost_layers=None, kv_boost_quantize=None)  # None: boosted_spec's
+    flags = dict(
+        streaming_llm_sink=None,
+        streaming_llm_window=None,
+        max_len=None,
+        kv_quantize="fp32",
+        kv_group_size=None,
+        kv_residual=None,
+        positions="cache",  # None: resolved by kivi_flags
+        kv_quantize_k=None,
+        kv_quantize_v=None,
+        kv_residual_dtype=None,  # None: CacheSpec's
+        kv_pre_rope=None,
+        kv_hadamard=None,
+        kv_keep=None,
+        kv_keep_score=None,
+        kv_keep_quantize=None,
+        kv_boost_layers=None,
+        kv_boost_quantize=None,
+    )  # None: boosted_spec's
     given = {k for k in flags if getattr(args, k) is not None}
     ns = copy.copy(args)
     for k, default in flags.items():
@@ -169,20 +233,37 @@ def run(args) -> None:
             template = f.read()
     model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
     if spec == "default":
-        spec = default_cache_spec(model.config, kv_quantize=ns.kv_quantize, group_size=group_size,
-                                  residual=residual, positions=ns.positions, k_quantize=ns.kv_quantize_k,
-                                  v_quantize=ns.kv_quantize_v, residual_dtype=ns.kv_residual_dtype or "float32",
-                                  pre_rope_keys=bool(ns.kv_pre_rope), hadamard=ns.kv_hadamard or "none",
-                                  keep=ns.kv_keep or 0, keep_score=ns.kv_keep_score or "recent",
-                                  keep_quantize=ns.kv_keep_quantize)
+        spec = default_cache_spec(
+            model.config,
+            kv_quantize=ns.kv_quantize,
+            group_size=group_size,
+            residual=residual,
+            positions=ns.positions,
+            k_quantize=ns.kv_quantize_k,
+            v_quantize=ns.kv_quantize_v,
+            residual_dtype=ns.kv_residual_dtype or "float32",
+            pre_rope_keys=bool(ns.kv_pre_rope),
+            hadamard=ns.kv_hadamard or "none",
+            keep=ns.kv_keep or 0,
+            keep_score=ns.kv_keep_score or "recent",
+            keep_quantize=ns.kv_keep_quantize,
+        )
     if spec is not None:
         spec = boosted_spec(ns, spec, model.config.n_layers)
     path = args.cache_file
     if path and os.path.exists(path):
-        session = ChatSession.load(path, model, cache=spec, sampler=sampler, seed=args.seed,
-                                   max_new_tokens=args.tokens, chat_template=template)
+        session = ChatSession.load(
+            path, model, cache=spec, sampler=sampler, seed=args.seed, max_new_tokens=args.tokens, chat_template=template
+        )
         print(f"[resumed {path}: {session.stats().summary()}]", file=sys.stderr, flush=True)
     else:
-        session = ChatSession(model, spec, sampler=sampler or Sampler(), seed=args.seed or 0,
-                              max_new_tokens=args.tokens, system=args.system, chat_template=template)
+        session = ChatSession(
+            model,
+            spec,
+            sampler=sampler or Sampler(),
+            seed=args.seed or 0,
+            max_new_tokens=args.tokens,
+            system=args.system,
+            chat_template=template,
+        )
     chat_loop(session, cache_file=path)

@@ -16,22 +16,53 @@ from jaxkv.io import load_model
 
 
 def add_parser(sub) -> None:
-    e = sub.add_parser("eval", help="retrieval accuracy (passkey, lines) through the KV cache, by depth and prompt length")
-    e.add_argument("task", choices=TASKS, help="passkey: a pass key hidden in filler text (Landmark Attention §4.2); "
-                   "lines: the value of one of many key-value lines (LongChat)")
+    e = sub.add_parser(
+        "eval", help="retrieval accuracy (passkey, lines) through the KV cache, by depth and prompt length"
+    )
+    e.add_argument(
+        "task",
+        choices=TASKS,
+        help="passkey: a pass key hidden in filler text (Landmark Attention §4.2); "
+        "lines: the value of one of many key-value lines (LongChat)",
+    )
     add_model_flags(e)
     add_tokenizer_flag(e)
-    e.add_argument("--lengths", default="512,1024,2048", metavar="N1,N2",
-                   help="prompt lengths in the model's tokens (default: %(default)s)")
-    e.add_argument("--depths", default=",".join(f"{d:g}" for d in DEPTHS), metavar="D1,D2",
-                   help="where the key sits, fractions of the filler in [0, 1] (default: %(default)s)")
-    e.add_argument("--seeds", type=int, default=3, metavar="N", help="prompts per cell, seeds 0..N-1 (default: %(default)s)")
-    e.add_argument("--tokens", type=int, default=8, metavar="N", help="greedy tokens generated per prompt (default: %(default)s)")
-    e.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template, the reply "
-                   "started with the answer's stub (default: the raw text; see docs/RETRIEVAL.md)")
-    e.add_argument("--batch-size", type=int, default=8, metavar="B", help="prompts per compiled call (default: %(default)s)")
-    e.add_argument("--json", default=None, metavar="FILE", help="write the accuracies and every answer as JSON (default: none)")
-    e.add_argument("--plot", default=None, metavar="FILE", help="draw the depth x length heat map, needs matplotlib (default: none)")
+    e.add_argument(
+        "--lengths",
+        default="512,1024,2048",
+        metavar="N1,N2",
+        help="prompt lengths in the model's tokens (default: %(default)s)",
+    )
+    e.add_argument(
+        "--depths",
+        default=",".join(f"{d:g}" for d in DEPTHS),
+        metavar="D1,D2",
+        help="where the key sits, fractions of the filler in [0, 1] (default: %(default)s)",
+    )
+    e.add_argument(
+        "--seeds", type=int, default=3, metavar="N", help="prompts per cell, seeds 0..N-1 (default: %(default)s)"
+    )
+    e.add_argument(
+        "--tokens", type=int, default=8, metavar="N", help="greedy tokens generated per prompt (default: %(default)s)"
+    )
+    e.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap each prompt in the model's chat template, the reply "
+        "started with the answer's stub (default: the raw text; see docs/RETRIEVAL.md)",
+    )
+    e.add_argument(
+        "--batch-size", type=int, default=8, metavar="B", help="prompts per compiled call (default: %(default)s)"
+    )
+    e.add_argument(
+        "--json", default=None, metavar="FILE", help="write the accuracies and every answer as JSON (default: none)"
+    )
+    e.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="draw the depth x length heat map, needs matplotlib (default: none)",
+    )
     add_cache_flags(e)
     e.set_defaults(func=run)
 
@@ -64,14 +95,29 @@ def run(args) -> None:
     model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
     n_layers = model.config.n_layers
     # a full cache is sized per length (its longest prompt + --tokens), a bounded one is the same at every length
-    spec = ((lambda need: boosted_spec(args, cache_spec_from_args(args, need), n_layers))
-            if args.streaming_llm_window is None else boosted_spec(args, cache_spec_from_args(args), n_layers))
-    result = retrieval_accuracy(model, spec, args.task, lengths, depths, args.seeds, max_new_tokens=args.tokens,
-                                chat=args.chat, batch=args.batch_size, log=lambda line: print(line, file=sys.stderr, flush=True))
+    spec = (
+        (lambda need: boosted_spec(args, cache_spec_from_args(args, need), n_layers))
+        if args.streaming_llm_window is None
+        else boosted_spec(args, cache_spec_from_args(args), n_layers)
+    )
+    result = retrieval_accuracy(
+        model,
+        spec,
+        args.task,
+        lengths,
+        depths,
+        args.seeds,
+        max_new_tokens=args.tokens,
+        chat=args.chat,
+        batch=args.batch_size,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     name = os.path.basename(model.path or result.model)
-    print(f"{name}: {args.task} accuracy by depth (rows) and prompt length in tokens (columns), {len(result.seeds)} "
-          f"seed(s) per cell, {'chat template' if result.chat else 'raw prompt'}; cache {result.cache[-1]} "
-          f"({result.cache_bytes[-1] / 2**20:.1f} MiB per row at the longest); {result.seconds:.0f} s")
+    print(
+        f"{name}: {args.task} accuracy by depth (rows) and prompt length in tokens (columns), {len(result.seeds)} "
+        f"seed(s) per cell, {'chat template' if result.chat else 'raw prompt'}; cache {result.cache[-1]} "
+        f"({result.cache_bytes[-1] / 2**20:.1f} MiB per row at the longest); {result.seconds:.0f} s"
+    )
     print(result.table())
     if args.json:
         try:

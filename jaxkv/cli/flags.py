@@ -21,9 +21,13 @@ def add_model_flags(parser: argparse.ArgumentParser, *, model_help: str = MODEL_
     ``--weights`` (how its matrices are held: :data:`jaxkv.models.weights.WEIGHT_FORMATS`;
     a bad value is refused by :func:`check_model_flags` in one line, before anything loads)."""
     parser.add_argument("model", nargs="?", default=None, help=model_help)
-    parser.add_argument("--weights", default="fp32", metavar="FORMAT",
-                        help=f"hold the weights as {'|'.join(WEIGHT_FORMATS)} (int8/q4: blocks of 32 like GGUF Q8_0/Q4_1, "
-                             "dequantised inside the step; activations stay float32) (default: %(default)s)")
+    parser.add_argument(
+        "--weights",
+        default="fp32",
+        metavar="FORMAT",
+        help=f"hold the weights as {'|'.join(WEIGHT_FORMATS)} (int8/q4: blocks of 32 like GGUF Q8_0/Q4_1, "
+        "dequantised inside the step; activations stay float32) (default: %(default)s)",
+    )
 
 
 def check_model_flags(args) -> None:
@@ -39,19 +43,34 @@ def check_model_flags(args) -> None:
 
 
 def add_tokenizer_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokenizer", default=None, metavar="PATH",
-                        help="SentencePiece .model or llama2.c tokenizer .bin (default: the model's own, or one beside it)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="SentencePiece .model or llama2.c tokenizer .bin (default: the model's own, or one beside it)",
+    )
 
 
-def add_sampler_flags(parser: argparse.ArgumentParser, *, temperature: float | None = 0.0,
-                      temperature_help: str = "0 = greedy (default: %(default)s)", seed: int | None = 0,
-                      seed_help: str = "PRNG seed, in [0, 2**32) (default: %(default)s)") -> None:
+def add_sampler_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    temperature: float | None = 0.0,
+    temperature_help: str = "0 = greedy (default: %(default)s)",
+    seed: int | None = 0,
+    seed_help: str = "PRNG seed, in [0, 2**32) (default: %(default)s)",
+) -> None:
     """``--temperature``, ``--top-k``, ``--top-p`` and ``--seed`` (see :class:`jaxkv.Sampler`)."""
     parser.add_argument("--temperature", type=float, default=temperature, metavar="T", help=temperature_help)
-    parser.add_argument("--top-k", type=int, default=None, metavar="K",
-                        help="sample only from the K most likely tokens (default: all)")
-    parser.add_argument("--top-p", type=float, default=None, metavar="P",
-                        help="sample only from the most likely tokens whose probability reaches P, in (0, 1] (default: 1, all)")
+    parser.add_argument(
+        "--top-k", type=int, default=None, metavar="K", help="sample only from the K most likely tokens (default: all)"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="sample only from the most likely tokens whose probability reaches P, in (0, 1] (default: 1, all)",
+    )
     parser.add_argument("--seed", type=int, default=seed, metavar="S", help=seed_help)
 
 
@@ -70,10 +89,16 @@ def sampler_from_args(args, *, temperature: float | None = None, warn_greedy: bo
     sampler = Sampler(temperature=t, top_k=args.top_k, top_p=args.top_p)
     if args.seed is not None:
         check_int("--seed", args.seed, 0, SEED_LIMIT)
-    ignored = [f"{flag} {value}" for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
+    ignored = [
+        f"{flag} {value}" for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None
+    ]
     if warn_greedy and ignored and sampler.temperature == 0:
-        print(f"jaxkv: warning: {' and '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored at --temperature 0 "
-              "(greedy decoding); give --temperature T > 0 to sample", file=sys.stderr, flush=True)
+        print(
+            f"jaxkv: warning: {' and '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored at --temperature 0 "
+            "(greedy decoding); give --temperature T > 0 to sample",
+            file=sys.stderr,
+            flush=True,
+        )
     return sampler
 
 
@@ -87,63 +112,150 @@ def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str]
     ``defaults``: the help's text of a flag's default, by destination, for a subcommand that
     chooses its own defaults (``jaxkv chat``: ``{"kv_quantize": "fp32 or the resumed file's", ...}``).
     """
+
     def default(dest: str, shown: str = "%(default)s") -> str:
         return f"(default: {(defaults or {}).get(dest, shown)})"
 
     g = parser.add_argument_group("KV cache")
-    g.add_argument("--streaming-llm-sink", type=int, default=None, metavar="N",
-                   help=f"always keep the first N tokens (attention sinks) {default('streaming_llm_sink', '0')}")
-    g.add_argument("--streaming-llm-window", type=int, default=None, metavar="M",
-                   help=f"keep only the last M tokens beyond the sinks {default('streaming_llm_window', 'none, a full cache')}")
-    g.add_argument("--positions", choices=("absolute", "cache"), default="absolute",
-                   help="RoPE positions of cached keys: absolute (vanilla) or their rank in the cache (StreamingLLM paper) "
-                        + default("positions"))
-    g.add_argument("--kv-quantize", default="fp32", metavar="MODE",
-                   help=f"cache storage: fp32|fp16|bf16|int8|int4|int2 (int* = KIVI) {default('kv_quantize')}")
-    g.add_argument("--kv-quantize-k", default=None, metavar="MODE",
-                   help="the keys' storage, overriding --kv-quantize: fp32|fp16|bf16|int8|int4|int2 (default: --kv-quantize's)")
-    g.add_argument("--kv-quantize-v", default=None, metavar="MODE",
-                   help="the values' storage, overriding --kv-quantize: fp32|fp16|bf16|int8|int4|int2 (default: --kv-quantize's)")
-    g.add_argument("--kv-residual-dtype", default=None, metavar="DTYPE",
-                   help="float32|float16|bfloat16: the KIVI residual and sinks (default: float32)")
-    g.add_argument("--kv-pre-rope", action="store_true", default=None,
-                   help="store keys before RoPE and rotate them on read at their position, also with --positions "
-                        "absolute (better int* key statistics; --positions cache always does) (default: off)")
-    g.add_argument("--kv-hadamard", default=None, metavar="SIDES",
-                   help="none|values|keys|both: quantise those int* sides rotated by an orthonormal Hadamard matrix "
-                        "per head, folded into attention (keys: only with keys stored after RoPE) (default: none)")
-    g.add_argument("--kv-keep", type=int, default=None, metavar="C",
-                   help="a keep tier of C slots for tokens leaving the window, chosen by --kv-keep-score "
-                        "(needs --streaming-llm-window) (default: 0, StreamingLLM drops them)")
-    g.add_argument("--kv-keep-score", default=None, metavar="RULE",
-                   help="recent|h2o|tova|snapkv: which leaving tokens the tier keeps: the last C (tiered "
-                        "retention), the most attention received (H2O), from the latest query (TOVA), or from "
-                        "the prompt's last 32 tokens (SnapKV, chosen at the end of the prompt) (default: recent)")
-    g.add_argument("--kv-keep-quantize", default=None, metavar="MODE",
-                   help="the keep tier's storage, fp32|fp16|bf16|int8|int4|int2 (int*: per-token codes; a float "
-                        "window only) (default: the window's float mode)")
-    g.add_argument("--kv-group-size", type=int, default=None, metavar="G",
-                   help=f"KIVI tokens per per-channel key group {default('kv_group_size', str(CacheSpec.group_size))}; "
-                        "a window that is not a multiple of G is rounded down, with a note")
-    g.add_argument("--kv-residual", type=int, default=None, metavar="R",
-                   help=f"KIVI full-precision recent tokens, a multiple of G {default('kv_residual', str(CacheSpec.residual))}")
-    g.add_argument("--max-len", type=int, default=None, metavar="N",
-                   help=f"slots of a full cache {default('max_len', 'what the run needs, rounded up to a multiple of 256')}")
-    g.add_argument("--kv-boost-layers", default=None, metavar="L,L,...",
-                   help="store these layers (0-based, comma-separated, e.g. 0,1,29) in --kv-boost-quantize, the others as "
-                        "the flags above say: more bits for the layers a low-bit cache hurts most (jaxkv ppl --kv-sensitivity "
-                        f"finds them) {default('kv_boost_layers', 'none')}")
-    g.add_argument("--kv-boost-quantize", default=None, metavar="MODE",
-                   help="keys' and values' storage of the --kv-boost-layers: fp32|fp16|bf16|int8|int4|int2 "
-                        f"{default('kv_boost_quantize', BOOST_MODE)}")
+    g.add_argument(
+        "--streaming-llm-sink",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"always keep the first N tokens (attention sinks) {default('streaming_llm_sink', '0')}",
+    )
+    g.add_argument(
+        "--streaming-llm-window",
+        type=int,
+        default=None,
+        metavar="M",
+        help=f"keep only the last M tokens beyond the sinks {default('streaming_llm_window', 'none, a full cache')}",
+    )
+    g.add_argument(
+        "--positions",
+        choices=("absolute", "cache"),
+        default="absolute",
+        help="RoPE positions of cached keys: absolute (vanilla) or their rank in the cache (StreamingLLM paper) "
+        + default("positions"),
+    )
+    g.add_argument(
+        "--kv-quantize",
+        default="fp32",
+        metavar="MODE",
+        help=f"cache storage: fp32|fp16|bf16|int8|int4|int2 (int* = KIVI) {default('kv_quantize')}",
+    )
+    g.add_argument(
+        "--kv-quantize-k",
+        default=None,
+        metavar="MODE",
+        help="the keys' storage, overriding --kv-quantize: fp32|fp16|bf16|int8|int4|int2 (default: --kv-quantize's)",
+    )
+    g.add_argument(
+        "--kv-quantize-v",
+        default=None,
+        metavar="MODE",
+        help="the values' storage, overriding --kv-quantize: fp32|fp16|bf16|int8|int4|int2 (default: --kv-quantize's)",
+    )
+    g.add_argument(
+        "--kv-residual-dtype",
+        default=None,
+        metavar="DTYPE",
+        help="float32|float16|bfloat16: the KIVI residual and sinks (default: float32)",
+    )
+    g.add_argument(
+        "--kv-pre-rope",
+        action="store_true",
+        default=None,
+        help="store keys before RoPE and rotate them on read at their position, also with --positions "
+        "absolute (better int* key statistics; --positions cache always does) (default: off)",
+    )
+    g.add_argument(
+        "--kv-hadamard",
+        default=None,
+        metavar="SIDES",
+        help="none|values|keys|both: quantise those int* sides rotated by an orthonormal Hadamard matrix "
+        "per head, folded into attention (keys: only with keys stored after RoPE) (default: none)",
+    )
+    g.add_argument(
+        "--kv-keep",
+        type=int,
+        default=None,
+        metavar="C",
+        help="a keep tier of C slots for tokens leaving the window, chosen by --kv-keep-score "
+        "(needs --streaming-llm-window) (default: 0, StreamingLLM drops them)",
+    )
+    g.add_argument(
+        "--kv-keep-score",
+        default=None,
+        metavar="RULE",
+        help="recent|h2o|tova|snapkv: which leaving tokens the tier keeps: the last C (tiered "
+        "retention), the most attention received (H2O), from the latest query (TOVA), or from "
+        "the prompt's last 32 tokens (SnapKV, chosen at the end of the prompt) (default: recent)",
+    )
+    g.add_argument(
+        "--kv-keep-quantize",
+        default=None,
+        metavar="MODE",
+        help="the keep tier's storage, fp32|fp16|bf16|int8|int4|int2 (int*: per-token codes; a float "
+        "window only) (default: the window's float mode)",
+    )
+    g.add_argument(
+        "--kv-group-size",
+        type=int,
+        default=None,
+        metavar="G",
+        help=f"KIVI tokens per per-channel key group {default('kv_group_size', str(CacheSpec.group_size))}; "
+        "a window that is not a multiple of G is rounded down, with a note",
+    )
+    g.add_argument(
+        "--kv-residual",
+        type=int,
+        default=None,
+        metavar="R",
+        help=f"KIVI full-precision recent tokens, a multiple of G {default('kv_residual', str(CacheSpec.residual))}",
+    )
+    g.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"slots of a full cache {default('max_len', 'what the run needs, rounded up to a multiple of 256')}",
+    )
+    g.add_argument(
+        "--kv-boost-layers",
+        default=None,
+        metavar="L,L,...",
+        help="store these layers (0-based, comma-separated, e.g. 0,1,29) in --kv-boost-quantize, the others as "
+        "the flags above say: more bits for the layers a low-bit cache hurts most (jaxkv ppl --kv-sensitivity "
+        f"finds them) {default('kv_boost_layers', 'none')}",
+    )
+    g.add_argument(
+        "--kv-boost-quantize",
+        default=None,
+        metavar="MODE",
+        help="keys' and values' storage of the --kv-boost-layers: fp32|fp16|bf16|int8|int4|int2 "
+        f"{default('kv_boost_quantize', BOOST_MODE)}",
+    )
 
 
 # CacheSpec field -> its flag (the args attribute is the flag's name with underscores); and the batch
-CACHE_FLAGS = {"max_len": "--max-len", "sink": "--streaming-llm-sink", "window": "--streaming-llm-window",
-               "kv_quantize": "--kv-quantize", "group_size": "--kv-group-size", "residual": "--kv-residual",
-               "positions": "--positions", "k_quantize": "--kv-quantize-k", "v_quantize": "--kv-quantize-v",
-               "residual_dtype": "--kv-residual-dtype", "pre_rope_keys": "--kv-pre-rope", "hadamard": "--kv-hadamard",
-               "keep": "--kv-keep", "keep_score": "--kv-keep-score", "keep_quantize": "--kv-keep-quantize"}
+CACHE_FLAGS = {
+    "max_len": "--max-len",
+    "sink": "--streaming-llm-sink",
+    "window": "--streaming-llm-window",
+    "kv_quantize": "--kv-quantize",
+    "group_size": "--kv-group-size",
+    "residual": "--kv-residual",
+    "positions": "--positions",
+    "k_quantize": "--kv-quantize-k",
+    "v_quantize": "--kv-quantize-v",
+    "residual_dtype": "--kv-residual-dtype",
+    "pre_rope_keys": "--kv-pre-rope",
+    "hadamard": "--kv-hadamard",
+    "keep": "--kv-keep",
+    "keep_score": "--kv-keep-score",
+    "keep_quantize": "--kv-keep-quantize",
+}
 FLAGS = {**CACHE_FLAGS, "batch": "--batch-size"}
 
 
@@ -177,8 +289,14 @@ class FlagNames(FieldNames):
         if _given(self.args, field) is not None:
             return f"{FLAGS[field]} {value}"
         if field == "max_len":  # a full cache sized for the prompt and --tokens
-            return (f"--max-len {value} (the full cache holds the prompt and every generated token: fewer --tokens, "
-                    "or bound it with --streaming-llm-window M)") if suggested else f"--max-len {value} (sized for the run)"
+            return (
+                (
+                    f"--max-len {value} (the full cache holds the prompt and every generated token: fewer --tokens, "
+                    "or bound it with --streaming-llm-window M)"
+                )
+                if suggested
+                else f"--max-len {value} (sized for the run)"
+            )
         return f"{FLAGS[field]} {value}" + ("" if suggested else " (default)")
 
 
@@ -203,10 +321,14 @@ def kivi_flags(args) -> tuple[int, int]:
     for field in ("group_size", "residual"):
         if _given(args, field) is not None and not any(m in QUANT_MODES for m in modes):
             shown = modes[0] if modes[0] == modes[1] else f"keys {modes[0]}, values {modes[1]}"
-            raise JaxkvError(f"{CACHE_FLAGS[field]} {_given(args, field)} is for a KIVI cache: it needs "
-                             f"--kv-quantize {'|'.join(QUANT_MODES)} (the cache is {shown})")
-    return (CacheSpec.group_size if args.kv_group_size is None else args.kv_group_size,
-            CacheSpec.residual if args.kv_residual is None else args.kv_residual)
+            raise JaxkvError(
+                f"{CACHE_FLAGS[field]} {_given(args, field)} is for a KIVI cache: it needs "
+                f"--kv-quantize {'|'.join(QUANT_MODES)} (the cache is {shown})"
+            )
+    return (
+        CacheSpec.group_size if args.kv_group_size is None else args.kv_group_size,
+        CacheSpec.residual if args.kv_residual is None else args.kv_residual,
+    )
 
 
 def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) -> CacheSpec:
@@ -229,19 +351,27 @@ def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) 
         raise JaxkvError(f"--streaming-llm-sink {sink} needs --streaming-llm-window M")
     max_len = args.max_len
     if max_len is not None and window is not None:
-        raise JaxkvError(f"--max-len {max_len} with --streaming-llm-window {window}: a StreamingLLM cache holds "
-                         "--streaming-llm-sink + --streaming-llm-window tokens and has no --max-len; pass one of them")
+        raise JaxkvError(
+            f"--max-len {max_len} with --streaming-llm-window {window}: a StreamingLLM cache holds "
+            "--streaming-llm-sink + --streaming-llm-window tokens and has no --max-len; pass one of them"
+        )
     if sink is not None and window is not None and window >= 1 and sink > window:
-        raise JaxkvError(f"--streaming-llm-sink {sink} is larger than --streaming-llm-window {window}: StreamingLLM "
-                         "keeps a few sinks (e.g. 4) before a much larger window (swapped?)")
+        raise JaxkvError(
+            f"--streaming-llm-sink {sink} is larger than --streaming-llm-window {window}: StreamingLLM "
+            "keeps a few sinks (e.g. 4) before a much larger window (swapped?)"
+        )
     quantized = any(m in QUANT_MODES for m in storage_modes(args))
     group, residual = kivi_flags(args)
     if quantized and window is not None and group >= 1 and residual >= 1 and not residual % group and window % group:
         rounded = window - window % group
         if rounded >= residual:
             shown = FlagNames(args).show("group_size", group)
-            print(f"jaxkv: note: --streaming-llm-window {window} rounded down to {rounded}, a multiple of {shown}: "
-                  "the quantised window evicts whole groups", file=sys.stderr, flush=True)
+            print(
+                f"jaxkv: note: --streaming-llm-window {window} rounded down to {rounded}, a multiple of {shown}: "
+                "the quantised window evicts whole groups",
+                file=sys.stderr,
+                flush=True,
+            )
             args.streaming_llm_window = window = rounded
     if window is None and max_len is None and n_prompt_max is not None:
         max_len = full_cache_len(n_prompt_max + n_new)
@@ -284,7 +414,10 @@ def spec_flags(spec: CacheSpec, *, shape: bool = True) -> tuple[list[str], dict]
     """
     flags: list[str] = []
     if shape and spec.bounded:
-        flags += ([CACHE_FLAGS["sink"], str(spec.sink)] if spec.sink else []) + [CACHE_FLAGS["window"], str(spec.window)]
+        flags += ([CACHE_FLAGS["sink"], str(spec.sink)] if spec.sink else []) + [
+            CACHE_FLAGS["window"],
+            str(spec.window),
+        ]
     elif shape:
         flags += [CACHE_FLAGS["max_len"], str(spec.max_len)]
     keys, values = spec.kv_modes
@@ -317,8 +450,10 @@ def _boost_layers(args) -> tuple[int, ...] | None:
         return None
     items = [item.strip() for item in args.kv_boost_layers.split(",")]
     if not all(item.isdigit() and item.isascii() for item in items):
-        raise JaxkvError(f"--kv-boost-layers {args.kv_boost_layers}: expected comma-separated layer indices, "
-                         "integers >= 0 (e.g. 0,1,29)")
+        raise JaxkvError(
+            f"--kv-boost-layers {args.kv_boost_layers}: expected comma-separated layer indices, "
+            "integers >= 0 (e.g. 0,1,29)"
+        )
     return tuple(int(item) for item in items)
 
 
@@ -337,13 +472,20 @@ def boosted_spec(args, spec: CacheSpec, n_layers: int | None = None) -> CacheSpe
     layers = _boost_layers(args)
     if layers is None:
         if args.kv_boost_quantize is not None:
-            raise JaxkvError(f"--kv-boost-quantize {args.kv_boost_quantize} needs --kv-boost-layers L,L,... "
-                             "(the layers to store in it)")
+            raise JaxkvError(
+                f"--kv-boost-quantize {args.kv_boost_quantize} needs --kv-boost-layers L,L,... "
+                "(the layers to store in it)"
+            )
         return spec
     names = ("--kv-boost-layers", f"--kv-boost-layers {args.kv_boost_layers} with --kv-boost-quantize")
     # before the model is known, every index is taken as in range (the count is checked once it is)
-    boosted = LayerSpecs.boosted(spec, max(layers) + 1 if n_layers is None else n_layers, layers,
-                                 args.kv_boost_quantize or BOOST_MODE, names=names)
+    boosted = LayerSpecs.boosted(
+        spec,
+        max(layers) + 1 if n_layers is None else n_layers,
+        layers,
+        args.kv_boost_quantize or BOOST_MODE,
+        names=names,
+    )
     return spec if n_layers is None else boosted
 
 

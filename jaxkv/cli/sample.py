@@ -22,19 +22,37 @@ from jaxkv.io import load_model
 def add_parser(sub) -> None:
     s = sub.add_parser("sample", help="generate text from a model")
     add_model_flags(s)
-    s.add_argument("--prompt", default=None, metavar="TEXT", help="prompt text; - reads it from stdin (default: empty, i.e. BOS)")
-    s.add_argument("--prompt-file", default=None, metavar="PATH", help="read the prompt from a UTF-8 file (default: --prompt)")
-    s.add_argument("--tokens", type=int, default=128, metavar="N", help="tokens to generate at most (default: %(default)s)")
-    s.add_argument("--stop", action="append", default=None, metavar="STRING",
-                   help="stop when the text contains STRING, printed without it and what follows; repeatable (default: none)")
+    s.add_argument(
+        "--prompt", default=None, metavar="TEXT", help="prompt text; - reads it from stdin (default: empty, i.e. BOS)"
+    )
+    s.add_argument(
+        "--prompt-file", default=None, metavar="PATH", help="read the prompt from a UTF-8 file (default: --prompt)"
+    )
+    s.add_argument(
+        "--tokens", type=int, default=128, metavar="N", help="tokens to generate at most (default: %(default)s)"
+    )
+    s.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="STRING",
+        help="stop when the text contains STRING, printed without it and what follows; repeatable (default: none)",
+    )
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS: generate exactly --tokens tokens")
-    add_sampler_flags(s, seed=None, seed_help="PRNG seed in [0, 2**32) (default: a fresh one when sampling, printed in "
-                                              "the report line so that --seed S repeats the run; 0 when greedy)")
+    add_sampler_flags(
+        s,
+        seed=None,
+        seed_help="PRNG seed in [0, 2**32) (default: a fresh one when sampling, printed in "
+        "the report line so that --seed S repeats the run; 0 when greedy)",
+    )
     add_tokenizer_flag(s)
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    s.add_argument("--verbose", action="store_true",
-                   help="print the prompt (as the model reads it: chat-templated with --chat) before the generated text, "
-                        "and a line on stderr with the model, prompt tokens, cache and sampler")
+    s.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the prompt (as the model reads it: chat-templated with --chat) before the generated text, "
+        "and a line on stderr with the model, prompt tokens, cache and sampler",
+    )
     add_cache_flags(s)
     s.set_defaults(func=run)
 
@@ -54,8 +72,10 @@ def read_prompt(args) -> str:
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as e:  # bytes of another encoding on the command line (surrogate escapes)
-            raise JaxkvError(f"--prompt {prompt!r}: not UTF-8 text (at character {e.start}); "
-                             "give UTF-8, or the file with --prompt-file") from None
+            raise JaxkvError(
+                f"--prompt {prompt!r}: not UTF-8 text (at character {e.start}); "
+                "give UTF-8, or the file with --prompt-file"
+            ) from None
         return prompt
     what = "--prompt - (stdin)" if args.prompt_file is None else f"--prompt-file {args.prompt_file}"
     try:
@@ -82,8 +102,11 @@ def run(args) -> int:
     prompt_ids = encode_prompt(model.tokenizer, prompt, chat=args.chat)
     spec = boosted_spec(args, cache_spec_from_args(args, len(prompt_ids), args.tokens), model.config.n_layers)
     if args.verbose:
-        print(f"[jaxkv sample: {model.config.name}; prompt {len(prompt_ids)} tokens; cache {spec.describe()}; {sampler}]",
-              file=sys.stderr, flush=True)
+        print(
+            f"[jaxkv sample: {model.config.name}; prompt {len(prompt_ids)} tokens; cache {spec.describe()}; {sampler}]",
+            file=sys.stderr,
+            flush=True,
+        )
         print(prompt_text(model.tokenizer, prompt, chat=args.chat), end="", flush=True)
     result = sample(
         model,

@@ -27,35 +27,80 @@ API_KEY_ENV = "JAXKV_API_KEY"
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
-                       description="Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, "
-                                   "/v1/completions (streaming or not), /v1/models, /health, /metrics. "
-                                   "See docs/SERVING.md.")
+    s = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
+        description="Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, "
+        "/v1/completions (streaming or not), /v1/models, /health, /metrics. "
+        "See docs/SERVING.md.",
+    )
     add_model_flags(s)
     add_tokenizer_flag(s)
-    s.add_argument("--host", default="127.0.0.1", metavar="HOST",
-                   help="address to listen on (0.0.0.0: every interface) (default: %(default)s)")
-    s.add_argument("--port", type=int, default=8000, metavar="PORT",
-                   help="TCP port to listen on; 0 = any free one (printed once ready) (default: %(default)s)")
-    s.add_argument("--model-name", default=None, metavar="NAME",
-                   help="the model id clients pass as `model` and /v1/models lists (default: the model file's "
-                        "name without its extension)")
-    s.add_argument("--api-key", default=None, metavar="KEY",
-                   help=f"require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay open) "
-                        f"(default: ${API_KEY_ENV}, else none)")
-    s.add_argument("--slots", type=int, default=4, metavar="N",
-                   help="decode slots: requests generated together in one batch (default: %(default)s)")
-    s.add_argument("--max-queue", type=int, default=64, metavar="Q",
-                   help="requests waiting for a slot at most; beyond, 429 with Retry-After (default: %(default)s)")
-    s.add_argument("--prefix-cache-bytes", type=int, default=256 << 20, metavar="B",
-                   help="bytes of cached prompt prefixes (their KV states) reused by later requests; 0 = off "
-                        "(default: %(default)s, 256 MiB)")
-    s.add_argument("--max-tokens-default", type=int, default=256, metavar="N",
-                   help="tokens to generate when a request gives no max_tokens (a full cache: at most what fits) "
-                        "(default: %(default)s)")
-    s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
-                   help="on SIGTERM/SIGINT, seconds the requests in flight get to finish before they are cut "
-                        "short (finish reason length) (default: %(default)s)")
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address to listen on (0.0.0.0: every interface) (default: %(default)s)",
+    )
+    s.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        metavar="PORT",
+        help="TCP port to listen on; 0 = any free one (printed once ready) (default: %(default)s)",
+    )
+    s.add_argument(
+        "--model-name",
+        default=None,
+        metavar="NAME",
+        help="the model id clients pass as `model` and /v1/models lists (default: the model file's "
+        "name without its extension)",
+    )
+    s.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay open) "
+        f"(default: ${API_KEY_ENV}, else none)",
+    )
+    s.add_argument(
+        "--slots",
+        type=int,
+        default=4,
+        metavar="N",
+        help="decode slots: requests generated together in one batch (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        metavar="Q",
+        help="requests waiting for a slot at most; beyond, 429 with Retry-After (default: %(default)s)",
+    )
+    s.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=256 << 20,
+        metavar="B",
+        help="bytes of cached prompt prefixes (their KV states) reused by later requests; 0 = off "
+        "(default: %(default)s, 256 MiB)",
+    )
+    s.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=256,
+        metavar="N",
+        help="tokens to generate when a request gives no max_tokens (a full cache: at most what fits) "
+        "(default: %(default)s)",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="on SIGTERM/SIGINT, seconds the requests in flight get to finish before they are cut "
+        "short (finish reason length) (default: %(default)s)",
+    )
     add_cache_flags(s, defaults={"max_len": "none; a full cache needs it: the tokens each slot holds"})
     s.set_defaults(func=run)
 
@@ -75,8 +120,9 @@ def _bind(host: str, port: int) -> socket.socket:
       JaxkvError: an address that does not resolve, or a port in use or not allowed.
     """
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as e:
         raise JaxkvError(f"--host {host}: cannot resolve it ({e.strerror})") from None
     sock = socket.socket(family, kind, proto)
@@ -134,8 +180,10 @@ def run(args) -> int:
         raise JaxkvError("--model-name: expected a non-empty name")
     api_key = _api_key(args)
     if args.streaming_llm_window is None and args.max_len is None:
-        raise JaxkvError("a full cache needs --max-len N (the tokens each slot holds: prompt and reply), or serve "
-                         "with a bounded cache, --streaming-llm-window M (any prompt length)")
+        raise JaxkvError(
+            "a full cache needs --max-len N (the tokens each slot holds: prompt and reply), or serve "
+            "with a bounded cache, --streaming-llm-window M (any prompt length)"
+        )
     spec = cache_spec_from_args(args)
     boosted_spec(args, spec)  # every boost flag checked before loading (the layer range once the model is known)
     try:
@@ -144,19 +192,25 @@ def run(args) -> int:
         from jaxkv.serve.app import create_app
         from jaxkv.serve.engine import Engine
     except ImportError as e:
-        raise JaxkvError(f"jaxkv serve needs the serving packages ({e.name} is missing): "
-                         "pip install 'jaxkv[serve]'") from None
+        raise JaxkvError(
+            f"jaxkv serve needs the serving packages ({e.name} is missing): pip install 'jaxkv[serve]'"
+        ) from None
 
     sock = _bind(args.host, args.port)
     model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
     spec = boosted_spec(args, spec, model.config.n_layers)
-    engine = Engine(model, spec, slots=args.slots, max_queue=args.max_queue,
-                    prefix_cache_bytes=args.prefix_cache_bytes)
+    engine = Engine(model, spec, slots=args.slots, max_queue=args.max_queue, prefix_cache_bytes=args.prefix_cache_bytes)
     name = args.model_name or os.path.splitext(model.config.name)[0]
-    app = create_app(engine, model_name=name, api_key=api_key, default_max_tokens=args.max_tokens_default,
-                     shutdown_timeout=args.shutdown_timeout)
-    config = uvicorn.Config(app, log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=int(math.ceil(args.shutdown_timeout)) + 5)
+    app = create_app(
+        engine,
+        model_name=name,
+        api_key=api_key,
+        default_max_tokens=args.max_tokens_default,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="on", timeout_graceful_shutdown=int(math.ceil(args.shutdown_timeout)) + 5
+    )
     server = _uvicorn_server(uvicorn, config, app.state.shutdown.begin)
     failed: list[BaseException] = []
 
@@ -170,8 +224,12 @@ def run(args) -> int:
         while not server.started and not server.should_exit:
             time.sleep(0.02)
         if server.started and not server.should_exit:
-            print(f"jaxkv serve: listening on {_url(sock)} (model {name}, {engine.slots} slots, "
-                  f"cache {engine.spec.describe()})", file=sys.stderr, flush=True)
+            print(
+                f"jaxkv serve: listening on {_url(sock)} (model {name}, {engine.slots} slots, "
+                f"cache {engine.spec.describe()})",
+                file=sys.stderr,
+                flush=True,
+            )
 
     warming = threading.Thread(target=warm_up, name="jaxkv-serve-warm-up", daemon=True)
     warming.start()

@@ -100,8 +100,9 @@ def parse_line(text: str, *, index: int, line: int) -> Request:
     try:  # JSON allows a lone surrogate ("\ud800"), which is not Unicode text: no tokenizer takes it
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise JaxkvError(f'"prompt" holds a lone surrogate {e.object[e.start]!a} at character {e.start}: '
-                         "not valid Unicode text") from None
+        raise JaxkvError(
+            f'"prompt" holds a lone surrogate {e.object[e.start]!a} at character {e.start}: not valid Unicode text'
+        ) from None
     n = obj.get("max_new_tokens")
     if n is not None:
         check_int('"max_new_tokens"', n, 1)
@@ -117,8 +118,15 @@ def parse_line(text: str, *, index: int, line: int) -> Request:
         raise JaxkvError(f'"id" holds a lone surrogate {e.object[e.start]!a}: not valid Unicode text') from None
     except RecursionError:
         raise JaxkvError('"id" is nested too deeply to be written back') from None
-    return Request(index=index, line=line, prompt=prompt, max_new_tokens=n,
-                   temperature=None if t is None else float(t), seed=s, id=obj.get("id"))
+    return Request(
+        index=index,
+        line=line,
+        prompt=prompt,
+        max_new_tokens=n,
+        temperature=None if t is None else float(t),
+        seed=s,
+        id=obj.get("id"),
+    )
 
 
 def parse_requests(lines: Iterable[str | bytes]) -> tuple[list[Request], list[LineError]]:
@@ -221,10 +229,12 @@ class BatchStats:
         return self.generated_tokens / max(self.decode_s, 1e-9)
 
     def summary(self) -> str:
-        return (f"{self.rows} rows in {self.batches} batches; {self.prompt_tokens} prompt tokens, "
-                f"{self.generated_tokens} generated; prefill {self.prefill_s:.1f} s (compiles included), decode {self.decode_s:.1f} s "
-                f"({self.decode_tokens_per_s:.1f} tokens/s summed over rows), compile {self.compile_s:.1f} s, "
-                f"wall {self.wall_s:.1f} s")
+        return (
+            f"{self.rows} rows in {self.batches} batches; {self.prompt_tokens} prompt tokens, "
+            f"{self.generated_tokens} generated; prefill {self.prefill_s:.1f} s (compiles included), decode {self.decode_s:.1f} s "
+            f"({self.decode_tokens_per_s:.1f} tokens/s summed over rows), compile {self.compile_s:.1f} s, "
+            f"wall {self.wall_s:.1f} s"
+        )
 
 
 def plan_batches(rows: Sequence[Row], batch_size: int) -> list[list[int]]:
@@ -283,11 +293,15 @@ class _RowLimits:
         n = check_int("max_new_tokens", row.max_new_tokens, 1)
         check_token_ids(row.ids, self.model.config.vocab_size)
         if p + n >= POSITION_LIMIT:
-            raise JaxkvError(f"max_new_tokens={n} after a prompt of {p} tokens passes the last int32 position "
-                             f"2**31 - 1: at most max_new_tokens={POSITION_LIMIT - 1 - p}")
+            raise JaxkvError(
+                f"max_new_tokens={n} after a prompt of {p} tokens passes the last int32 position "
+                f"2**31 - 1: at most max_new_tokens={POSITION_LIMIT - 1 - p}"
+            )
         if isinstance(self.cache, (CacheSpec, LayerSpecs)):  # fixed: its size does not depend on the row
             if self.cache.token_limit is not None and p > self.cache.token_limit:
-                raise CacheFullError(f"prompt of {p} tokens does not fit a full cache of max_len={self.cache.token_limit}")
+                raise CacheFullError(
+                    f"prompt of {p} tokens does not fit a full cache of max_len={self.cache.token_limit}"
+                )
             return
         if self._free is None:  # the memory KVCache.create checks the cache against
             memory, _ = kv.device_memory(None if self.mesh is None else list(self.mesh.devices.flat))
@@ -300,10 +314,12 @@ class _RowLimits:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if self.cache_bytes(mid) <= self._free else (lo, mid - 1)
         fits = f"at most max_new_tokens={lo - p} fits" if lo > p else "not even one new token fits"
-        raise JaxkvError(f"max_new_tokens={n} after a prompt of {p} tokens needs a cache of "
-                         f"{resolve_cache(self.cache, p + n).describe()}: {format_bytes(nbytes)} for a batch of "
-                         f"{self.batch} rows, more than the {format_bytes(self._free)} of memory: {fits} "
-                         "(or use fewer rows per batch, or a StreamingLLM window)")
+        raise JaxkvError(
+            f"max_new_tokens={n} after a prompt of {p} tokens needs a cache of "
+            f"{resolve_cache(self.cache, p + n).describe()}: {format_bytes(nbytes)} for a batch of "
+            f"{self.batch} rows, more than the {format_bytes(self._free)} of memory: {fits} "
+            "(or use fewer rows per batch, or a StreamingLLM window)"
+        )
 
 
 def run_rows(
@@ -377,15 +393,24 @@ def run_rows(
             spec = resolve_cache(cache, max(len(r.ids) + r.max_new_tokens for r in batch))
             sampler = Sampler(temperature=batch[0].temperature, top_k=top_k, top_p=top_p)
             out = prefill_and_decode(
-                model, new_cache(model.config, spec, b, mesh=mesh), [list(r.ids) for r in padded],
-                max_new_tokens=[r.max_new_tokens for r in padded], sampler=sampler,
-                seed=[r.seed % SEED_LIMIT for r in padded], block=block, eos_id=eos_id,
+                model,
+                new_cache(model.config, spec, b, mesh=mesh),
+                [list(r.ids) for r in padded],
+                max_new_tokens=[r.max_new_tokens for r in padded],
+                sampler=sampler,
+                seed=[r.seed % SEED_LIMIT for r in padded],
+                block=block,
+                eos_id=eos_id,
             )
             stats.prefill_s += out.prefill_s
             stored = to_host(out.cache.stored())
             for j, i in enumerate(members):
-                results[i] = RowResult(token_ids=out.token_ids[j], finish_reason=out.finish_reasons[j],
-                                       stored_tokens=int(stored[j]), prompt_tokens=len(rows[i].ids))
+                results[i] = RowResult(
+                    token_ids=out.token_ids[j],
+                    finish_reason=out.finish_reasons[j],
+                    stored_tokens=int(stored[j]),
+                    prompt_tokens=len(rows[i].ids),
+                )
             generated = sum(len(out.token_ids[j]) for j in range(len(batch)))
             stats.rows += len(batch)
             stats.batches += 1
@@ -426,9 +451,14 @@ class Result:
         obj = dict(index=self.index, line=self.line)
         if self.id is not None:
             obj["id"] = self.id
-        obj.update(text=self.text, token_ids=self.token_ids, finish_reason=self.finish_reason,
-                   prompt_tokens=self.prompt_tokens, generated_tokens=len(self.token_ids),
-                   stored_tokens=self.stored_tokens)
+        obj.update(
+            text=self.text,
+            token_ids=self.token_ids,
+            finish_reason=self.finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=len(self.token_ids),
+            stored_tokens=self.stored_tokens,
+        )
         return obj
 
 
@@ -480,9 +510,14 @@ def run_requests(
         except JaxkvError as e:
             skip(req.line, e)
             continue
-        rows.append(Row(ids=ids, max_new_tokens=req.max_new_tokens or max_new_tokens,
-                        temperature=temperature if req.temperature is None else req.temperature,
-                        seed=(seed + req.index) % SEED_LIMIT if req.seed is None else req.seed))
+        rows.append(
+            Row(
+                ids=ids,
+                max_new_tokens=req.max_new_tokens or max_new_tokens,
+                temperature=temperature if req.temperature is None else req.temperature,
+                seed=(seed + req.index) % SEED_LIMIT if req.seed is None else req.seed,
+            )
+        )
         kept.append(req)
     out = run_rows(model, rows, cache=cache, on_error=lambda i, e: skip(kept[i].line, e), **kwargs) if rows else []
     results = []
@@ -490,10 +525,18 @@ def run_requests(
         if r is None:  # refused by run_rows (reported)
             continue
         ids = r.token_ids
-        results.append(Result(index=req.index, line=req.line, id=req.id, text=reply_text(tok, ids, r.finish_reason),
-                              token_ids=ids,
-                              finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
-                              stored_tokens=r.stored_tokens))
+        results.append(
+            Result(
+                index=req.index,
+                line=req.line,
+                id=req.id,
+                text=reply_text(tok, ids, r.finish_reason),
+                token_ids=ids,
+                finish_reason=r.finish_reason,
+                prompt_tokens=r.prompt_tokens,
+                stored_tokens=r.stored_tokens,
+            )
+        )
     results.sort(key=lambda r: r.index)
     errors.sort(key=lambda e: e.line)
     return results, errors
@@ -539,8 +582,9 @@ def run_file(
     if not requests:
         raise JaxkvError(f"{name}: no valid rows ({len(errors)} malformed)")
     stats = kwargs.pop("stats", None) or BatchStats()
-    results, skipped = run_requests(model, requests, stats=stats,
-                                    on_error=lambda e: report(f"{name}: {e} (skipped)"), **kwargs)
+    results, skipped = run_requests(
+        model, requests, stats=stats, on_error=lambda e: report(f"{name}: {e} (skipped)"), **kwargs
+    )
     if not results:
         raise JaxkvError(f"{name}: no row could be decoded ({len(errors)} malformed, {len(skipped)} skipped)")
     if lead:

@@ -115,8 +115,14 @@ def default_cache_spec(
     """
     total = min(slots, config.max_seq_len)
     # the storage of a spec that has validated these values (named errors, not a division by zero)
-    modes = dict(kv_quantize=kv_quantize, k_quantize=k_quantize, v_quantize=v_quantize, residual_dtype=residual_dtype,
-                 pre_rope_keys=pre_rope_keys, hadamard=hadamard)
+    modes = dict(
+        kv_quantize=kv_quantize,
+        k_quantize=k_quantize,
+        v_quantize=v_quantize,
+        residual_dtype=residual_dtype,
+        pre_rope_keys=pre_rope_keys,
+        hadamard=hadamard,
+    )
     storage = CacheSpec(max_len=1, group_size=group_size, residual=residual, positions=positions, **modes).storage
     window = storage.window_for(total - sink)
     if window < 1:
@@ -125,8 +131,17 @@ def default_cache_spec(
             + (f" and residual={residual}" if storage.flush else "")
             + "; pass --streaming-llm-window M (CacheSpec(window=M)) explicitly"
         )
-    return CacheSpec(sink=sink, window=window, group_size=group_size, residual=residual, positions=positions,
-                     keep=keep, keep_score=keep_score, keep_quantize=keep_quantize, **modes)
+    return CacheSpec(
+        sink=sink,
+        window=window,
+        group_size=group_size,
+        residual=residual,
+        positions=positions,
+        keep=keep,
+        keep_score=keep_score,
+        keep_quantize=keep_quantize,
+        **modes,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,8 +225,11 @@ class ChatSession:
             )
         if not isinstance(sampler, Sampler):
             raise JaxkvError(f"ChatSession: sampler must be a jaxkv.Sampler, got {type(sampler).__name__}")
-        for name, value, low, high in (("max_new_tokens", max_new_tokens, 1, INT32_LIMIT), ("block", block, 1, None),
-                                       ("seed", seed, 0, SEED_LIMIT)):
+        for name, value, low, high in (
+            ("max_new_tokens", max_new_tokens, 1, INT32_LIMIT),
+            ("block", block, 1, None),
+            ("seed", seed, 0, SEED_LIMIT),
+        ):
             check_int(f"ChatSession: {name}", value, low, high)
         if system is not None and not isinstance(system, str):
             raise JaxkvError(f"ChatSession: system={system!r}, expected a string or None")
@@ -261,8 +279,13 @@ class ChatSession:
         """Tokens seen and stored, cache bytes allocated and live (see :class:`ChatStats`)."""
         r = memory_report(self._cache)
         return ChatStats(
-            turns=self._turns, tokens_seen=r.tokens_seen[0], tokens_stored=r.tokens_stored[0], capacity=r.capacity,
-            cache_bytes=r.allocated_bytes, cache_live_bytes=r.live_bytes, spec=self.spec,
+            turns=self._turns,
+            tokens_seen=r.tokens_seen[0],
+            tokens_stored=r.tokens_stored[0],
+            capacity=r.capacity,
+            cache_bytes=r.allocated_bytes,
+            cache_live_bytes=r.live_bytes,
+            spec=self.spec,
         )
 
     # ---- a turn -----------------------------------------------------------------------------------
@@ -278,7 +301,11 @@ class ChatSession:
             bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None
             add_bos = bool(tok.add_bos and bos is not None and not text.startswith(bos))
             return tok.encode(text, add_bos=add_bos)
-        context = system + [{"role": "user", "content": _USER_SENTINEL}, {"role": "assistant", "content": _REPLY_SENTINEL}, user]
+        context = system + [
+            {"role": "user", "content": _USER_SENTINEL},
+            {"role": "assistant", "content": _REPLY_SENTINEL},
+            user,
+        ]
         text = tok.apply_chat_template(context, add_generation_prompt=True)
         at = text.find(_REPLY_SENTINEL)
         if at < 0:
@@ -286,12 +313,12 @@ class ChatSession:
                 f"{tok.name}: the chat template does not write an assistant message's content verbatim, "
                 "so a turn cannot be rendered on its own"
             )
-        suffix = text[at + len(_REPLY_SENTINEL):]
+        suffix = text[at + len(_REPLY_SENTINEL) :]
         if self.finish_reason == "eos" and tok.eos_id is not None:
             eos = tok.id_to_token(tok.eos_id)
             end = suffix.find(eos)
             if end >= 0 and not suffix[:end].strip():  # the pending EOS is the template's closing marker
-                suffix = suffix[end + len(eos):]
+                suffix = suffix[end + len(eos) :]
         return [self._pending] + tok.encode(suffix, add_bos=False)
 
     def send(self, message: str, on_text: Callable[[str], None] | None = None) -> str:
@@ -320,8 +347,16 @@ class ChatSession:
         try:
             on_block, flush = text_stream(tok, ids, on_text)
             result = prefill_and_decode(
-                model, self._cache, [ids], max_new_tokens=[self.max_new_tokens], sampler=self.sampler, seed=self.seed,
-                step=self._step, block=self.block, eos_id=tok.eos_id, on_block=on_block,
+                model,
+                self._cache,
+                [ids],
+                max_new_tokens=[self.max_new_tokens],
+                sampler=self.sampler,
+                seed=self.seed,
+                step=self._step,
+                block=self.block,
+                eos_id=tok.eos_id,
+                on_block=on_block,
                 stream_s=None if on_text is None else STREAM_S,
             )
             flush()
@@ -358,14 +393,29 @@ class ChatSession:
           OSError: the directory is not writable (nothing is left behind).
         """
         state = {
-            "turns": self._turns, "step": self._step, "pending": self._pending,
-            "finish_reason": self.finish_reason, "seed": self.seed, "max_new_tokens": self.max_new_tokens,
-            "sampler": dataclasses.asdict(self.sampler), "system": self.system, "messages": self.messages,
+            "turns": self._turns,
+            "step": self._step,
+            "pending": self._pending,
+            "finish_reason": self.finish_reason,
+            "seed": self.seed,
+            "max_new_tokens": self.max_new_tokens,
+            "sampler": dataclasses.asdict(self.sampler),
+            "system": self.system,
+            "messages": self.messages,
             "last_reply_ids": self.last_reply_ids,
         }
-        metadata = {"model": json.dumps(self.model_identity(), sort_keys=True), "state": json.dumps(state, sort_keys=True)}
-        save_cache(path, self._cache, metadata, arrays={"transcript": np.asarray(self._transcript, np.int32)},
-                   file_format=WHOLE_FORMAT, prefix_format=FILE_FORMAT)
+        metadata = {
+            "model": json.dumps(self.model_identity(), sort_keys=True),
+            "state": json.dumps(state, sort_keys=True),
+        }
+        save_cache(
+            path,
+            self._cache,
+            metadata,
+            arrays={"transcript": np.asarray(self._transcript, np.int32)},
+            file_format=WHOLE_FORMAT,
+            prefix_format=FILE_FORMAT,
+        )
 
     @classmethod
     def load(
@@ -410,9 +460,14 @@ class ChatSession:
                     f"({cache.describe()}): pass the same cache flags, or delete the file to start over"
                 )
             session = cls(
-                model, spec, sampler=sampler or state["sampler"], seed=state["seed"] if seed is None else seed,
+                model,
+                spec,
+                sampler=sampler or state["sampler"],
+                seed=state["seed"] if seed is None else seed,
                 max_new_tokens=state["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
-                system=state["system"], chat_template=chat_template, block=block,
+                system=state["system"],
+                chat_template=chat_template,
+                block=block,
             )
             mine = session.model_identity()
             if isinstance(identity.get("config"), dict):  # files of older jaxkv versions
@@ -426,22 +481,31 @@ class ChatSession:
             made.append((session, state))
             return session.cache
 
-        kv, arrays, _ = load_cache(path, session_for, file_format=WHOLE_FORMAT, prefix_format=FILE_FORMAT,
-                                   what="jaxkv chat cache")
+        kv, arrays, _ = load_cache(
+            path, session_for, file_format=WHOLE_FORMAT, prefix_format=FILE_FORMAT, what="jaxkv chat cache"
+        )
         session, state = made[0]
         transcript = arrays.get("transcript")
         if set(arrays) != {"transcript"} or transcript.dtype != np.int32 or transcript.ndim != 1:
             raise corrupt("expected one int32[N] transcript beside the cache")
-        ids = [*transcript.tolist(), *state["last_reply_ids"], *([] if state["pending"] is None else [state["pending"]])]
+        ids = [
+            *transcript.tolist(),
+            *state["last_reply_ids"],
+            *([] if state["pending"] is None else [state["pending"]]),
+        ]
         check_token_ids(ids, model.config.vocab_size, f"{path}: corrupt jaxkv chat file: token id")
         reply, held, started = state["last_reply_ids"], int(np.asarray(kv.length)[0]), state["pending"] is not None
-        if transcript.size < len(reply) or transcript[transcript.size - len(reply):].tolist() != reply:
-            raise corrupt(f"the transcript of {transcript.size} tokens does not end with state.last_reply_ids {_short(reply)}")
+        if transcript.size < len(reply) or transcript[transcript.size - len(reply) :].tolist() != reply:
+            raise corrupt(
+                f"the transcript of {transcript.size} tokens does not end with state.last_reply_ids {_short(reply)}"
+            )
         if not started and transcript.size:
             raise corrupt(f"state.turns=0 with a transcript of {transcript.size} tokens")
         if held != transcript.size - started:
-            raise corrupt(f"the cache holds {held} tokens, expected {transcript.size - started}: the transcript's "
-                          f"{transcript.size} less the pending last token")
+            raise corrupt(
+                f"the cache holds {held} tokens, expected {transcript.size - started}: the transcript's "
+                f"{transcript.size} less the pending last token"
+            )
         session._cache = kv
         session._transcript = [int(i) for i in transcript]
         session._step, session._turns = state["step"], state["turns"]
@@ -454,6 +518,7 @@ class ChatSession:
 
 # ---- helpers ----------------------------------------------------------------------------------------
 
+
 def model_fingerprint(model: LoadedModel) -> str:
     """SHA-256 over every parameter's name, dtype and shape, the whole embedding, and strided samples of the rest.
 
@@ -464,8 +529,12 @@ def model_fingerprint(model: LoadedModel) -> str:
     """
     h = hashlib.sha256()
     flat, _ = jax.tree_util.tree_flatten_with_path(nnx.state(model.model), is_leaf=lambda x: isinstance(x, HELD_FORMS))
-    weights = {".".join(str(getattr(k, "key", getattr(k, "idx", ""))) for k in path if not isinstance(k, jax.tree_util.GetAttrKey)):
-               legacy_leaves(leaf)[-1] if isinstance(leaf, HELD_FORMS) else leaf for path, leaf in flat}
+    weights = {
+        ".".join(
+            str(getattr(k, "key", getattr(k, "idx", ""))) for k in path if not isinstance(k, jax.tree_util.GetAttrKey)
+        ): legacy_leaves(leaf)[-1] if isinstance(leaf, HELD_FORMS) else leaf
+        for path, leaf in flat
+    }
     for name in sorted(weights):
         a = np.asarray(weights[name])
         h.update(f"{name}:{a.dtype.name}:{a.shape};".encode())
@@ -476,8 +545,22 @@ def model_fingerprint(model: LoadedModel) -> str:
     return h.hexdigest()
 
 
-_V2_CONFIG_FIELDS = frozenset({"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
-                               "rope_theta", "norm_eps", "max_seq_len", "tie_embeddings", "attention_bias"})
+_V2_CONFIG_FIELDS = frozenset(
+    {
+        "vocab_size",
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "hidden_dim",
+        "rope_theta",
+        "norm_eps",
+        "max_seq_len",
+        "tie_embeddings",
+        "attention_bias",
+    }
+)
 """The config fields of the model identity when ``jaxkv-chat/2`` was defined; later ones are
 written only when they differ from their default, so older files keep their identity."""
 
@@ -497,8 +580,13 @@ def _identity(model: LoadedModel, fingerprint: str) -> dict:
     return {
         "config": config,
         "dtype": np.dtype(model.model.embed[...].dtype).name,
-        "tokenizer": {"vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
-                      "add_bos": tok.add_bos, "chat_template_sha256": template},
+        "tokenizer": {
+            "vocab_size": tok.vocab_size,
+            "bos_id": tok.bos_id,
+            "eos_id": tok.eos_id,
+            "add_bos": tok.add_bos,
+            "chat_template_sha256": template,
+        },
         "weights_sha256": fingerprint,
     }
 
@@ -547,8 +635,18 @@ def _json_object(meta: dict, key: str) -> dict:
     return value
 
 
-_STATE_FIELDS = ("turns", "step", "pending", "finish_reason", "seed", "max_new_tokens", "sampler", "system", "messages",
-                 "last_reply_ids")
+_STATE_FIELDS = (
+    "turns",
+    "step",
+    "pending",
+    "finish_reason",
+    "seed",
+    "max_new_tokens",
+    "sampler",
+    "system",
+    "messages",
+    "last_reply_ids",
+)
 
 
 def _checked_state(state: dict) -> dict:
@@ -569,7 +667,9 @@ def _checked_state(state: dict) -> dict:
     if out["pending"] is not None:
         check_int("state.pending", out["pending"], 0)
     if out["finish_reason"] not in (None, *FINISH_REASONS[1:]):
-        raise JaxkvError(f"state.finish_reason={out['finish_reason']!r}: expected one of {', '.join(FINISH_REASONS[1:])}")
+        raise JaxkvError(
+            f"state.finish_reason={out['finish_reason']!r}: expected one of {', '.join(FINISH_REASONS[1:])}"
+        )
     if out["system"] is not None and not isinstance(out["system"], str):
         raise JaxkvError(f"state.system={_short(out['system'])}: expected a string or null")
     if not isinstance(out["last_reply_ids"], list):
@@ -595,7 +695,8 @@ def _checked_state(state: dict) -> dict:
     roles = ["system"] * (out["system"] is not None) + ["user", "assistant"] * turns
     messages = out["messages"]
     if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values()) for m in messages
+        isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
+        for m in messages
     ):
         raise JaxkvError("state.messages: expected a list of {role, content} strings")
     if [m["role"] for m in messages] != roles or (roles[:1] == ["system"] and messages[0]["content"] != out["system"]):

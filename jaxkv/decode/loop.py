@@ -174,8 +174,12 @@ def _signature(args, *static) -> tuple:
     """What a jitted call's executable depends on: the static arguments and, per leaf of
     ``args``, shape, dtype, sharding and weak type."""
     leaves, tree = jax.tree.flatten(args)
-    return (*static, tree, jax.config.jax_enable_x64,
-            tuple((x.shape, x.dtype, getattr(x, "sharding", None), getattr(x, "weak_type", False)) for x in leaves))
+    return (
+        *static,
+        tree,
+        jax.config.jax_enable_x64,
+        tuple((x.shape, x.dtype, getattr(x, "sharding", None), getattr(x, "weak_type", False)) for x in leaves),
+    )
 
 
 # ---- planned chunks ------------------------------------------------------------------------------
@@ -280,8 +284,9 @@ def prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]]
     return collections.deque(prefill_steps(model, cache, prompts, chunk=chunk), maxlen=1)[0]  # the last chunk's
 
 
-def prefill_steps(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]], *,
-                  chunk: int = PREFILL_CHUNK) -> Iterator[tuple[KVCache, jax.Array]]:
+def prefill_steps(
+    model: LoadedModel, cache: KVCache, prompts: Sequence[Sequence[int]], *, chunk: int = PREFILL_CHUNK
+) -> Iterator[tuple[KVCache, jax.Array]]:
     """:func:`prefill` one compiled chunk at a time (no SnapKV observation pass), so that a
     caller can run other work between chunks (the serving engine decodes its other rows).
 
@@ -321,8 +326,10 @@ def _observed_prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequ
     ``cache`` in order, each leaving the window with that score: the tier keeps the highest.
     The logits are the full-attention prefill's. Returns ``(cache, logits float32[B, V])``."""
     if not isinstance(cache, KVCache):
-        raise JaxkvError("keep_score=snapkv with per-layer cache specs (a model with local attention layers, or "
-                         "--kv-boost-layers) is not supported: use h2o, tova or recent there")
+        raise JaxkvError(
+            "keep_score=snapkv with per-layer cache specs (a model with local attention layers, or "
+            "--kv-boost-layers) is not supported: use h2o, tova or recent there"
+        )
     counts = np.array([len(p) for p in prompts], np.int64)
     observer = new_cache(model.config, cache.spec.observer(full_cache_len(int(np.max(counts)))), cache.batch)
     split = [max(len(p) - OBSERVE, 0) for p in prompts]
@@ -333,8 +340,9 @@ def _observed_prefill(model: LoadedModel, cache: KVCache, prompts: Sequence[Sequ
     score = pooled(observer.keep.ring_score, observer.length)
     t = chunk_len(cache.spec, int(np.max(counts)), chunk)
     for c in plan_chunks(cache.spec, np.zeros_like(counts), counts, t):
-        cache = _replay_chunk(cache, observer.ring_k, observer.ring_v, score, placed(c.offsets.astype(np.int32)),
-                              placed(c.n), t)
+        cache = _replay_chunk(
+            cache, observer.ring_k, observer.ring_v, score, placed(c.offsets.astype(np.int32)), placed(c.n), t
+        )
     return cache, logits
 
 
@@ -346,7 +354,9 @@ def _replay_chunk(cache, ring_k, ring_v, score, offsets, n, t):
     take = lambda x: jnp.take_along_axis(x, idx[None, :, None, :, None], axis=3)  # noqa: E731
     cache, step = cache.begin(n, t)
     read = cache.storage.read  # bf16 held as int16 bit patterns: their values, not a cast
-    return cache.commit(step, take(read(ring_k)), take(read(ring_v)), token_score=jnp.take_along_axis(score, idx, axis=1))
+    return cache.commit(
+        step, take(read(ring_k)), take(read(ring_v)), token_score=jnp.take_along_axis(score, idx, axis=1)
+    )
 
 
 def warm_prefill(model: LoadedModel, cache: KVCache, n_prompt: int, chunk: int = PREFILL_CHUNK) -> float:
@@ -392,11 +402,18 @@ class LoopState:
     def start(cls, logits, step: int = 0) -> LoopState:
         """The state before the first sampled token, from ``logits: float32[B, V]`` (no limit below ``block``)."""
         batch = logits.shape[0]
-        return cls(logits=logits, done=placed(np.zeros((batch,), bool)), reason=placed(np.zeros((batch,), np.int32)),
-                   generated=placed(np.zeros((batch,), np.int32)), step=placed(np.int32(step)))
+        return cls(
+            logits=logits,
+            done=placed(np.zeros((batch,), bool)),
+            reason=placed(np.zeros((batch,), np.int32)),
+            generated=placed(np.zeros((batch,), np.int32)),
+            step=placed(np.int32(step)),
+        )
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("sampler", "block", "eos_id"), donate_argnames=("cache",))
+@functools.partial(
+    jax.jit, static_argnums=(0,), static_argnames=("sampler", "block", "eos_id"), donate_argnames=("cache",)
+)
 def decode_block(graphdef, state, cache, loop, max_new, rng, *, sampler, block, eos_id):
     """Sample up to ``block`` tokens per row in one ``lax.while_loop``; returns (cache, loop, tokens int32[B, block]).
 
@@ -430,8 +447,9 @@ def decode_block(graphdef, state, cache, loop, max_new, rng, *, sampler, block, 
             return logits[:, 0], cache
 
         logits, cache = lax.cond(jnp.any(~done), run, lambda c: (loop.logits, c), cache)
-        loop = LoopState(logits=logits, done=done, reason=reason, generated=generated, step=loop.step + 1,
-                         limit=loop.limit)
+        loop = LoopState(
+            logits=logits, done=done, reason=reason, generated=generated, step=loop.step + 1, limit=loop.limit
+        )
         return i + 1, cache, loop, out
 
     out = jnp.full((batch, block), -1, jnp.int32)
@@ -450,8 +468,18 @@ def _decode_args(model, cache: KVCache, logits, max_new_tokens, seed, step):
     return graphdef, (state, cache, loop, placed(np.asarray(max_new_tokens, np.int32)), prng_keys(seed, cache.batch))
 
 
-def lower_decode(model, cache: KVCache, logits=None, *, sampler: Sampler = Sampler(), block: int = 32,
-                 eos_id: int | None = None, max_new_tokens: int | Sequence[int] = 1, seed=0, step: int = 0):
+def lower_decode(
+    model,
+    cache: KVCache,
+    logits=None,
+    *,
+    sampler: Sampler = Sampler(),
+    block: int = 32,
+    eos_id: int | None = None,
+    max_new_tokens: int | Sequence[int] = 1,
+    seed=0,
+    step: int = 0,
+):
     """The decode loop lowered for ``cache``'s spec and shapes: a ``jax.stages.Lowered``.
 
     ``.as_text()`` is its StableHLO (what :mod:`jaxkv.eval.audit` scans), ``.compile()``
@@ -467,8 +495,18 @@ def lower_decode(model, cache: KVCache, logits=None, *, sampler: Sampler = Sampl
     return decode_block.lower(graphdef, *args, sampler=sampler, block=block, eos_id=eos_id)
 
 
-def compile_decode(model, cache: KVCache, logits=None, *, sampler: Sampler = Sampler(), block: int = 32,
-                   eos_id: int | None = None, max_new_tokens: int | Sequence[int] = 1, seed=0, step: int = 0):
+def compile_decode(
+    model,
+    cache: KVCache,
+    logits=None,
+    *,
+    sampler: Sampler = Sampler(),
+    block: int = 32,
+    eos_id: int | None = None,
+    max_new_tokens: int | Sequence[int] = 1,
+    seed=0,
+    step: int = 0,
+):
     """``(compiled, seconds)``: the decode loop compiled for these arguments' shapes, dtypes and
     shardings and the static ``sampler``, ``block`` and ``eos_id`` (see :func:`lower_decode`).
 
@@ -494,9 +532,12 @@ pickles: keep the folder as private as JAX's cache."""
 def _compile(model, graphdef, args, sampler, block, eos_id):
     """The compiled decode loop and the seconds it took; kept per signature (``lower`` alone
     re-traces the whole model, ~0.3 s for SmolLM2, on every call)."""
-    return _kept("decode", _signature(args, graphdef, sampler, block, eos_id),
-                 lambda: decode_block.lower(graphdef, *args, sampler=sampler, block=block, eos_id=eos_id),
-                 _storable(model))
+    return _kept(
+        "decode",
+        _signature(args, graphdef, sampler, block, eos_id),
+        lambda: decode_block.lower(graphdef, *args, sampler=sampler, block=block, eos_id=eos_id),
+        _storable(model),
+    )
 
 
 def _kept(program: str, signature: tuple, lower, stored: bool):
@@ -553,9 +594,20 @@ def _code_digest() -> str:
             with open(os.path.join(folder, name), "rb") as f:
                 h.update(os.path.relpath(f.name, root).encode() + f.read())
     backend = jax.devices()[0].client
-    h.update(repr((jax.__version__, jaxlib.__version__, flax.__version__, backend.platform, backend.platform_version,
-                   [(d.id, d.device_kind) for d in jax.devices()], os.environ.get("XLA_FLAGS"),
-                   sorted((k, repr(v)) for k, v in jax.config.values.items()))).encode())
+    h.update(
+        repr(
+            (
+                jax.__version__,
+                jaxlib.__version__,
+                flax.__version__,
+                backend.platform,
+                backend.platform_version,
+                [(d.id, d.device_kind) for d in jax.devices()],
+                os.environ.get("XLA_FLAGS"),
+                sorted((k, repr(v)) for k, v in jax.config.values.items()),
+            )
+        ).encode()
+    )
     return h.hexdigest()
 
 
@@ -681,8 +733,10 @@ def decode(
             break
         if bool(np.all(to_host(loop.done))):
             break
-    reasons = [FINISH_REASONS[int(r)] if done or not stopped else stopped
-               for r, done in zip(to_host(loop.reason), to_host(loop.done))]
+    reasons = [
+        FINISH_REASONS[int(r)] if done or not stopped else stopped
+        for r, done in zip(to_host(loop.reason), to_host(loop.done))
+    ]
     return BatchGeneration(
         token_ids=ids, finish_reasons=reasons, cache=cache, prefill_s=0.0, decode_s=decode_s, compile_s=compile_s
     )

@@ -116,7 +116,9 @@ def cache_shardings(cache: KVCache, mesh: Mesh):
 
 def _check_split(batch: int, n_kv_heads: int, mesh: Mesh) -> None:
     if batch % mesh.shape["data"]:
-        raise JaxkvError(f"batch of {batch} rows does not split over data={mesh.shape['data']} devices: pad it to a multiple")
+        raise JaxkvError(
+            f"batch of {batch} rows does not split over data={mesh.shape['data']} devices: pad it to a multiple"
+        )
     if n_kv_heads % mesh.shape["kv"]:
         raise JaxkvError(f"{n_kv_heads} KV heads do not split over kv={mesh.shape['kv']} devices")
 
@@ -161,8 +163,9 @@ def create_cache(spec, mesh: Mesh, *, batch: int, n_layers: int, n_kv_heads: int
     return jax.jit(make, out_shardings=shardings)().replace(batch_sharded=True)
 
 
-def param_partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, *, n_kv_heads: int, family=None,
-                         held: str | None = None) -> P:
+def param_partition_spec(
+    name: str, shape: tuple[int, ...], mesh: Mesh, *, n_kv_heads: int, family=None, held: str | None = None
+) -> P:
     """Replicated, except over a ``kv`` axis > 1: attention weights split by heads, MLP by hidden
     units, on the axes the model's family names (:class:`jaxkv.models.family.Family`
     ``head_axes``/``mlp_axes``, axes of ``W[..., I, O]``; ``family`` None =
@@ -205,8 +208,9 @@ def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
     return dataclasses.replace(model, model=nnx.merge(graphdef, state))
 
 
-def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
+def initialize_distributed(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> None:
     """Join a multi-process run (one process per host) before anything touches a device.
 
     Calls ``jax.distributed.initialize``; with no arguments it detects the cluster (SLURM,
@@ -226,10 +230,11 @@ def describe(mesh: Mesh | None) -> str:
         return "single device"
     d = mesh.devices.flat[0]
     hosts = f" on {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    return f"mesh data={mesh.shape['data']} x kv={mesh.shape['kv']} over {mesh.devices.size} {d.platform} devices{hosts}"
+    return (
+        f"mesh data={mesh.shape['data']} x kv={mesh.shape['kv']} over {mesh.devices.size} {d.platform} devices{hosts}"
+    )
 
 
 def is_lead() -> bool:
     """True in process 0 (the one that prints and writes files); always True on one host."""
     return jax.process_index() == 0
-

@@ -118,9 +118,19 @@ def generate(
     elif eos_id is None and model.tokenizer is not None:
         eos_id = model.tokenizer.eos_id
     spec = cache or CacheSpec(max_len=full_cache_len(max(len(p) for p in prompts) + max(counts)))
-    return prefill_and_decode(model, new_cache(model.config, spec, len(prompts)), prompts, warm=True,
-                              max_new_tokens=counts, sampler=sampler, seed=seed, block=block, eos_id=eos_id,
-                              on_block=on_block, stream_s=stream_s)
+    return prefill_and_decode(
+        model,
+        new_cache(model.config, spec, len(prompts)),
+        prompts,
+        warm=True,
+        max_new_tokens=counts,
+        sampler=sampler,
+        seed=seed,
+        block=block,
+        eos_id=eos_id,
+        on_block=on_block,
+        stream_s=stream_s,
+    )
 
 
 def sample(
@@ -190,14 +200,22 @@ def sample(
     check_token_ids(prompt_ids, model.config.vocab_size)
     stream = TextStream(tok, prompt_ids, on_text, stop=stops)
     with _sigint_flag(interruptible) as interrupted:
+
         def on_block(out):
             if stream.on_block(out):
                 return "stop"
             return "interrupted" if interrupted else None
 
         result = generate(
-            model, [prompt_ids], max_new_tokens=max_new_tokens, sampler=sampler, seed=seed, cache=cache, block=block,
-            ignore_eos=ignore_eos, on_block=on_block if on_text or stops or interruptible else None,
+            model,
+            [prompt_ids],
+            max_new_tokens=max_new_tokens,
+            sampler=sampler,
+            seed=seed,
+            cache=cache,
+            block=block,
+            ignore_eos=ignore_eos,
+            on_block=on_block if on_text or stops or interruptible else None,
             stream_s=None if on_text is None else STREAM_S,
         )
     stream.flush()
@@ -259,8 +277,9 @@ class TextStream:
         the first stop string (the stream then prints nothing more).
     """
 
-    def __init__(self, tokenizer, context_ids, on_text: Callable[[str], None] | None = None, *,
-                 stop: Sequence[str] = ()):
+    def __init__(
+        self, tokenizer, context_ids, on_text: Callable[[str], None] | None = None, *, stop: Sequence[str] = ()
+    ):
         self._stream = tokenizer.decode_stream(context_ids)
         self._eos, self._on_text, self._stop = tokenizer.eos_id, on_text, tuple(stop)
         self.text, self.stop_tokens = "", None
@@ -286,8 +305,14 @@ class TextStream:
                 self._show(min(found))
                 return True
         self._tokens += len(row)
-        held = next((k for k in range(min(len(self.text), max(map(len, self._stop)) - 1), 0, -1)
-                     if any(s.startswith(self.text[-k:]) for s in self._stop)), 0)
+        held = next(
+            (
+                k
+                for k in range(min(len(self.text), max(map(len, self._stop)) - 1), 0, -1)
+                if any(s.startswith(self.text[-k:]) for s in self._stop)
+            ),
+            0,
+        )
         self._show(len(self.text) - held)
         return False
 

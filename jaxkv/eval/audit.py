@@ -116,8 +116,15 @@ def audit_text(text: str) -> list[str]:
             if signature is None:
                 continue
             types = _split_types(signature.group(1))
-            bad = sorted({e for k in _INDEX_OPERANDS[op](len(types)) if k < len(types)
-                          for e in [_element(types[k])] if e and _UNSIGNED.match(e)})
+            bad = sorted(
+                {
+                    e
+                    for k in _INDEX_OPERANDS[op](len(types))
+                    if k < len(types)
+                    for e in [_element(types[k])]
+                    if e and _UNSIGNED.match(e)
+                }
+            )
             if bad:
                 report(i, "unsigned-index", f"stablehlo.{op} index operand of type {'/'.join(bad)} (use int32)")
     return findings
@@ -138,13 +145,17 @@ def audit_function(fn, *args, **kwargs) -> list[str]:
 
 # ------------------------------------------------------------------- jaxkv's own programs
 
-MODES = tuple(
-    itertools.product(KV_MODES, ("full", "streaming"), POSITION_MODES)
-) + (
-    ("int4/int8", "streaming", "cache"), ("int2/fp16", "streaming", "absolute"), ("fp16/int4", "full", "absolute"),
-    ("bf16/int2", "streaming", "cache"), ("int4@float16", "streaming", "cache"), ("int2@bfloat16", "full", "absolute"),
-    ("int2+pre-rope", "streaming", "absolute"), ("int4/int2+hadamard-values", "streaming", "cache"),
-    ("int2+hadamard-keys", "full", "absolute"), ("int4+hadamard-both", "streaming", "absolute"),
+MODES = tuple(itertools.product(KV_MODES, ("full", "streaming"), POSITION_MODES)) + (
+    ("int4/int8", "streaming", "cache"),
+    ("int2/fp16", "streaming", "absolute"),
+    ("fp16/int4", "full", "absolute"),
+    ("bf16/int2", "streaming", "cache"),
+    ("int4@float16", "streaming", "cache"),
+    ("int2@bfloat16", "full", "absolute"),
+    ("int2+pre-rope", "streaming", "absolute"),
+    ("int4/int2+hadamard-values", "streaming", "cache"),
+    ("int2+hadamard-keys", "full", "absolute"),
+    ("int4+hadamard-both", "streaming", "absolute"),
     ("int4/int2+pre-rope+hadamard-values@float16", "streaming", "absolute"),
 )
 """Every cache mode the audit covers: (storage, full|streaming, positions). The storage is a
@@ -162,8 +173,16 @@ def mode_spec(storage: str, kind: str, positions: str):
     modes, *options = modes.split("+")
     keys, _, values = modes.partition("/")
     shape = dict(sink=4, window=16) if kind == "streaming" else dict(max_len=32)
-    return CacheSpec(kv_quantize=values or keys, k_quantize=keys, residual_dtype=residual_dtype or "float32",
-                     group_size=4, residual=8, positions=positions, **lever_fields(options), **shape)
+    return CacheSpec(
+        kv_quantize=values or keys,
+        k_quantize=keys,
+        residual_dtype=residual_dtype or "float32",
+        group_size=4,
+        residual=8,
+        positions=positions,
+        **lever_fields(options),
+        **shape,
+    )
 
 
 SAMPLERS = ("greedy", "temperature")
@@ -217,12 +236,16 @@ def audit_kivi_kernels(bits: int, group_size: int = 4, scale_dtype="float16") ->
     findings = []
     qk = jax.eval_shape(lambda x: kivi.quantize_keys(x, bits=bits, group_size=group_size, scale_dtype=scale_dtype), x)
     qv = jax.eval_shape(lambda x: kivi.quantize_values(x, bits=bits, scale_dtype=scale_dtype), x)
-    findings += audit_function(lambda x: kivi.quantize_keys(x, bits=bits, group_size=group_size, scale_dtype=scale_dtype), x)
+    findings += audit_function(
+        lambda x: kivi.quantize_keys(x, bits=bits, group_size=group_size, scale_dtype=scale_dtype), x
+    )
     findings += audit_function(lambda x: kivi.quantize_values(x, bits=bits, scale_dtype=scale_dtype), x)
     zeros = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
     for dtype in (jnp.float32, jnp.float16, jnp.bfloat16):
         findings += audit_function(
-            lambda q: kivi.dequantize_keys(q, bits=bits, group_size=group_size, dtype=dtype), zeros(qk))  # noqa: B023 (traced in this iteration)
+            lambda q: kivi.dequantize_keys(q, bits=bits, group_size=group_size, dtype=dtype),  # noqa: B023 (traced here)
+            zeros(qk),
+        )
         findings += audit_function(lambda q: kivi.dequantize_values(q, bits=bits, dtype=dtype), zeros(qv))  # noqa: B023
     return findings
 

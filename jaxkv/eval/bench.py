@@ -52,7 +52,9 @@ KIVI = {"group_size": 32, "residual": 32}
 SYNTHETIC = {"L": "n_layers", "D": "dim", "N": "n_heads", "K": "n_kv_heads", "F": "hidden_dim", "V": "vocab_size"}
 """Keys of a ``synthetic:`` model spec and the :class:`LlamaConfig` fields they set."""
 
-_MODE = re.compile(rf"(?:full|sink(\d+)\+(\d+))(?::({'|'.join(KV_MODES)})(?:/({'|'.join(KV_MODES)}))?((?:\+[a-z-]+)*))?")
+_MODE = re.compile(
+    rf"(?:full|sink(\d+)\+(\d+))(?::({'|'.join(KV_MODES)})(?:/({'|'.join(KV_MODES)}))?((?:\+[a-z-]+)*))?"
+)
 
 
 def parse_mode(text: str, max_len: int) -> CacheSpec:
@@ -69,9 +71,11 @@ def parse_mode(text: str, max_len: int) -> CacheSpec:
     """
     m = _MODE.fullmatch(text)
     if m is None:
-        raise JaxkvError(f"cache mode {text!r}: expected full or sinkS+W, optionally :{'|'.join(KV_MODES)} "
-                         "or :K/V for keys and values, then +OPTIONs (e.g. full, sink4+252, sink4+256:int4, "
-                         "sink4+256:int2/fp16, sink4+256:int2+pre-rope+hadamard-values)")
+        raise JaxkvError(
+            f"cache mode {text!r}: expected full or sinkS+W, optionally :{'|'.join(KV_MODES)} "
+            "or :K/V for keys and values, then +OPTIONs (e.g. full, sink4+252, sink4+256:int4, "
+            "sink4+256:int2/fp16, sink4+256:int2+pre-rope+hadamard-values)"
+        )
     sink, window, quant, values, options = m.groups()
     modes = dict(kv_quantize=values or quant or "fp32", k_quantize=quant if values else None)
     try:  # KIVI's group size and residual; float storage has none
@@ -126,8 +130,11 @@ def load(model: str | None, weights: str = "fp32") -> LoadedModel:
     check_weight_format(weights)
     random = Llama(config, rngs=nnx.Rngs(0))
     if weights != "fp32":
-        random = Llama.from_weights(config, {name: np.asarray(getattr(random, name)[...]) for name in weight_shapes(config)},
-                                    weight_format=weights)
+        random = Llama.from_weights(
+            config,
+            {name: np.asarray(getattr(random, name)[...]) for name in weight_shapes(config)},
+            weight_format=weights,
+        )
     return LoadedModel(config=config, model=random, tokenizer=None)
 
 
@@ -143,8 +150,9 @@ def bandwidth_gbs() -> float:
     return 2 * src.nbytes / best / 1e9
 
 
-def bench_mode(model: LoadedModel, spec: CacheSpec, lengths: Sequence[int], *, prompt_tokens: int, block: int,
-               bandwidth: float) -> dict:
+def bench_mode(
+    model: LoadedModel, spec: CacheSpec, lengths: Sequence[int], *, prompt_tokens: int, block: int, bandwidth: float
+) -> dict:
     """One benchmark run of one cache mode to ``max(lengths)`` generated tokens (see the module docstring).
 
     Args:
@@ -161,8 +169,15 @@ def bench_mode(model: LoadedModel, spec: CacheSpec, lengths: Sequence[int], *, p
     """
     prompt = [int(x) for x in np.random.default_rng(0).integers(3, model.config.vocab_size, prompt_tokens)]
     stamps = []
-    result = generate(model, [prompt], max_new_tokens=max(lengths), cache=spec, block=block, eos_id=-1,
-                      on_block=lambda out: stamps.append((time.perf_counter(), int((out >= 0).sum()))))
+    result = generate(
+        model,
+        [prompt],
+        max_new_tokens=max(lengths),
+        cache=spec,
+        block=block,
+        eos_id=-1,
+        on_block=lambda out: stamps.append((time.perf_counter(), int((out >= 0).sum()))),
+    )
     ends, per_token = [], []
     prev = stamps[0][0] - result.decode_s / len(stamps)  # approximate start of block 0
     for t, count in stamps:
@@ -180,16 +195,27 @@ def bench_mode(model: LoadedModel, spec: CacheSpec, lengths: Sequence[int], *, p
             sel = ends == ends[np.searchsorted(ends, n)]
         ms = float(np.median(per_token[sel][1:] if sel.sum() > 2 else per_token[sel]))
         live = mem.live_bytes if spec.bounded else round(mem.live_bytes * min(prompt_tokens + n, seen) / seen)
-        rows.append({"length": n, "decode_ms_per_token": ms, "cache_bytes_live": live,
-                     "roofline_ms_per_token": (weights + live) / (bandwidth * 1e9) * 1e3})
+        rows.append(
+            {
+                "length": n,
+                "decode_ms_per_token": ms,
+                "cache_bytes_live": live,
+                "roofline_ms_per_token": (weights + live) / (bandwidth * 1e9) * 1e3,
+            }
+        )
     rss_unit = 2**20 if sys.platform == "darwin" else 2**10  # ru_maxrss: bytes on macOS, KiB on Linux
     return {
-        "cache": spec.describe(), "compile_s": result.compile_s, "prefill_tokens_per_s": prompt_tokens / max(result.prefill_s, 1e-9),
-        "weight_bytes": weights, "cache_bytes_allocated": mem.allocated_bytes, "cache_bytes_live": mem.live_bytes,
-        "tokens_stored": mem.tokens_stored[0], "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / rss_unit,
-        "rows": rows, "curve": {"ends": ends.tolist(), "ms": per_token.tolist()},
+        "cache": spec.describe(),
+        "compile_s": result.compile_s,
+        "prefill_tokens_per_s": prompt_tokens / max(result.prefill_s, 1e-9),
+        "weight_bytes": weights,
+        "cache_bytes_allocated": mem.allocated_bytes,
+        "cache_bytes_live": mem.live_bytes,
+        "tokens_stored": mem.tokens_stored[0],
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / rss_unit,
+        "rows": rows,
+        "curve": {"ends": ends.tolist(), "ms": per_token.tolist()},
     }
-
 
 
 def prefill_temp_bytes(model: LoadedModel, spec: CacheSpec, *, chunk: int = 128) -> tuple[int, int]:
@@ -216,9 +242,17 @@ def prefill_temp_bytes(model: LoadedModel, spec: CacheSpec, *, chunk: int = 128)
     return int(compiled.memory_analysis().temp_size_in_bytes), t
 
 
-def run(model: str | LoadedModel | None, modes: Sequence[str] | Mapping[str, CacheSpec], lengths: Sequence[int], *,
-        prompt_tokens: int, block: int, repeat: int, log: Callable[[str], None] | None = None,
-        weights: str = "fp32") -> dict:
+def run(
+    model: str | LoadedModel | None,
+    modes: Sequence[str] | Mapping[str, CacheSpec],
+    lengths: Sequence[int],
+    *,
+    prompt_tokens: int,
+    block: int,
+    repeat: int,
+    log: Callable[[str], None] | None = None,
+    weights: str = "fp32",
+) -> dict:
     """Benchmark every mode at every length, the modes round-robin ``repeat`` times.
 
     Validates every argument before loading the model.
@@ -242,11 +276,18 @@ def run(model: str | LoadedModel | None, modes: Sequence[str] | Mapping[str, Cac
     """
     if not lengths:
         raise JaxkvError("lengths []: expected at least one generated length")
-    for what, value in (*(("length", n) for n in lengths), ("prompt tokens", prompt_tokens), ("block", block), ("repeat", repeat)):
+    for what, value in (
+        *(("length", n) for n in lengths),
+        ("prompt tokens", prompt_tokens),
+        ("block", block),
+        ("repeat", repeat),
+    ):
         check_int(what, value, 1, spaced=True)
     if min(lengths) < block:  # ms/token is measured per decode block
-        raise JaxkvError(f"length {min(lengths)} is shorter than one decode block ({block} tokens): "
-                         "use lengths >= --block or a smaller --block")
+        raise JaxkvError(
+            f"length {min(lengths)} is shorter than one decode block ({block} tokens): "
+            "use lengths >= --block or a smaller --block"
+        )
     if isinstance(modes, Mapping):
         modes, specs = list(modes), list(modes.values())
     else:
@@ -256,18 +297,35 @@ def run(model: str | LoadedModel | None, modes: Sequence[str] | Mapping[str, Cac
     repeats = [[] for _ in specs]
     for r in range(repeat):
         for mode, spec, done in zip(modes, specs, repeats):
-            done.append(bench_mode(loaded, spec, lengths, prompt_tokens=prompt_tokens, block=block, bandwidth=bandwidth))
+            done.append(
+                bench_mode(loaded, spec, lengths, prompt_tokens=prompt_tokens, block=block, bandwidth=bandwidth)
+            )
             if log:
-                log(f"[bench {r + 1}/{repeat}] {mode}: compile {done[-1]['compile_s']:.1f} s, "
-                    f"{done[-1]['rows'][-1]['decode_ms_per_token']:.3f} ms/token at {lengths[-1]}")
+                log(
+                    f"[bench {r + 1}/{repeat}] {mode}: compile {done[-1]['compile_s']:.1f} s, "
+                    f"{done[-1]['rows'][-1]['decode_ms_per_token']:.3f} ms/token at {lengths[-1]}"
+                )
     return {
         "model": loaded.config.name,
         "weights": weights,
         "backend": jax.default_backend(),
-        "machine": " ".join(filter(None, (platform.machine(), platform.processor(), f"cpus={os.cpu_count()}",
-                                          f"devices={jax.local_device_count()}"))),
+        "machine": " ".join(
+            filter(
+                None,
+                (
+                    platform.machine(),
+                    platform.processor(),
+                    f"cpus={os.cpu_count()}",
+                    f"devices={jax.local_device_count()}",
+                ),
+            )
+        ),
         "versions": {"python": platform.python_version(), "jax": jax.__version__},
-        "bandwidth_gbs": bandwidth, "prompt_tokens": prompt_tokens, "block": block, "repeat": repeat, "lengths": list(lengths),
+        "bandwidth_gbs": bandwidth,
+        "prompt_tokens": prompt_tokens,
+        "block": block,
+        "repeat": repeat,
+        "lengths": list(lengths),
         "runs": [{"mode": mode, **_combine(done)} for mode, done in zip(modes, repeats)],
     }
 
@@ -279,11 +337,23 @@ def _combine(repeats: list[dict]) -> dict:
     for i, row in enumerate(first["rows"]):
         ms = [rep["rows"][i]["decode_ms_per_token"] for rep in repeats]
         median = float(np.median(ms))
-        rows.append({**row, "decode_ms_per_token": median, "decode_ms_per_token_repeats": ms, "decode_tokens_per_s": 1e3 / median})
+        rows.append(
+            {
+                **row,
+                "decode_ms_per_token": median,
+                "decode_ms_per_token_repeats": ms,
+                "decode_tokens_per_s": 1e3 / median,
+            }
+        )
     prefill = [rep["prefill_tokens_per_s"] for rep in repeats]
     curve = {"ends": first["curve"]["ends"], "ms": np.median([rep["curve"]["ms"] for rep in repeats], axis=0).tolist()}
-    return {**first, "prefill_tokens_per_s": float(np.median(prefill)), "prefill_tokens_per_s_repeats": prefill,
-            "rows": rows, "curve": curve}
+    return {
+        **first,
+        "prefill_tokens_per_s": float(np.median(prefill)),
+        "prefill_tokens_per_s_repeats": prefill,
+        "rows": rows,
+        "curve": curve,
+    }
 
 
 def table(results: dict) -> str:
@@ -293,10 +363,14 @@ def table(results: dict) -> str:
     ms/token, ratio (roofline / measured), prefill tokens/s, compile s, allocated cache bytes, peak RSS MiB.
     """
     lines = [
-        (f"# {results['model']} on {results['backend']}, bandwidth {results['bandwidth_gbs']:.1f} GB/s, "
-         f"jax {results['versions']['jax']}, {results['repeat']} repeat(s)"),
-        ("| cache | length | decode ms/token | spread | tokens/s | roofline ms/token | ratio | prefill tokens/s "
-         "| compile s | cache bytes | peak RSS MiB |"),
+        (
+            f"# {results['model']} on {results['backend']}, bandwidth {results['bandwidth_gbs']:.1f} GB/s, "
+            f"jax {results['versions']['jax']}, {results['repeat']} repeat(s)"
+        ),
+        (
+            "| cache | length | decode ms/token | spread | tokens/s | roofline ms/token | ratio | prefill tokens/s "
+            "| compile s | cache bytes | peak RSS MiB |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["runs"]:
@@ -323,8 +397,15 @@ def plot(results: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in results["runs"]:
         (line,) = ax.plot(r["curve"]["ends"], r["curve"]["ms"], label=r["cache"], lw=1)
-        ax.plot([row["length"] for row in r["rows"]], [row["roofline_ms_per_token"] for row in r["rows"]],
-                ls="--", marker="_", ms=12, color=line.get_color(), lw=0.8)  # the roofline at each reported length
+        ax.plot(
+            [row["length"] for row in r["rows"]],
+            [row["roofline_ms_per_token"] for row in r["rows"]],
+            ls="--",
+            marker="_",
+            ms=12,
+            color=line.get_color(),
+            lw=0.8,
+        )  # the roofline at each reported length
     ax.set_xlabel("generated tokens")
     ax.set_ylabel("decode ms/token")
     ax.set_xscale("log")

@@ -105,7 +105,9 @@ def _as_ids(model: LoadedModel, tokens: Sequence[int], what: str) -> np.ndarray:
 
 
 def _bar(progress: bool, total: int, desc: str):
-    return tqdm(total=total, desc=desc, unit="tok", disable=not progress, file=sys.stderr, dynamic_ncols=True, leave=False)
+    return tqdm(
+        total=total, desc=desc, unit="tok", disable=not progress, file=sys.stderr, dynamic_ncols=True, leave=False
+    )
 
 
 def token_nll(
@@ -256,8 +258,10 @@ def recompute_nll(
         sel = np.asarray(positions, np.int64).reshape(-1)
         bad = (sel < 0) | (sel >= len(length))
         if bad.any():
-            raise JaxkvError(f"recompute_nll: position {int(sel[bad][0])} is outside [0, {len(length) - 1}] "
-                             f"(query positions of {len(ids)} tokens)")
+            raise JaxkvError(
+                f"recompute_nll: position {int(sel[bad][0])} is outside [0, {len(length) - 1}] "
+                f"(query positions of {len(ids)} tokens)"
+            )
     rows = len(sel)
     b = max(1, min(batch, rows))
     graphdef, state = nnx.split(model.model)
@@ -271,7 +275,9 @@ def recompute_nll(
             tok[: r1 - r0] = ids[index[sel[r0:r1]]]
             n[: r1 - r0] = length[sel[r0:r1]]
             tgt[: r1 - r0] = ids[sel[r0:r1] + 1]
-            nll = _recompute_batch(graphdef, state, jnp.asarray(tok), jnp.asarray(n), jnp.asarray(tgt), config=model.config)
+            nll = _recompute_batch(
+                graphdef, state, jnp.asarray(tok), jnp.asarray(n), jnp.asarray(tgt), config=model.config
+            )
             out[r0:r1] = np.asarray(nll, np.float64)[: r1 - r0]
             bar.update(r1 - r0)
     return out

@@ -59,18 +59,28 @@ DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 KEY_DIGITS = 5
 
 # Landmark Attention's passkey prompt (arXiv 2305.16300, §4.2; the paper's code), cut at whole sentences.
-PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
-                 "I will quiz you about the important information there.")
-PASSKEY_FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+PASSKEY_INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+    "I will quiz you about the important information there."
+)
+PASSKEY_FILLER = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+)
 PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 PASSKEY_QUESTION = "What is the pass key?"
 PASSKEY_STUB = "The pass key is"
 
 # LongChat's lines test (longeval): a record of lines, then the question for one of them.
-LINES_INTRO = ("Below is a record of lines I want you to remember. Each line begins with 'line <line index>' and "
-               "contains a '<REGISTER_CONTENT>' at the end of the line as a numerical value. For each line index, "
-               "memorize its corresponding <REGISTER_CONTENT>. At the end of the record, I will ask you to retrieve "
-               "the corresponding <REGISTER_CONTENT> of a certain line index. Now the record start:\n")
+LINES_INTRO = (
+    "Below is a record of lines I want you to remember. Each line begins with 'line <line index>' and "
+    "contains a '<REGISTER_CONTENT>' at the end of the line as a numerical value. For each line index, "
+    "memorize its corresponding <REGISTER_CONTENT>. At the end of the record, I will ask you to retrieve "
+    "the corresponding <REGISTER_CONTENT> of a certain line index. Now the record start:\n"
+)
 LINE = "line {name}: REGISTER_CONTENT is <{value}>"
 LINES_QUESTION = "Now the record is over. Tell me what is the <REGISTER_CONTENT> in line {name}? I need the number."
 LINES_STUB = "line {name}: REGISTER_CONTENT is <"
@@ -158,8 +168,15 @@ def _lines(rng_seed: int, n_units: int, depth: float) -> _Layout:
         raise JaxkvError(f"lines: a record of {n_units} lines needs more than the {len(names)} distinct line names")
     at = round(depth * (n_units - 1))
     units = tuple(LINE.format(name=names[i], value=values[i]) for i in range(n_units))
-    return _Layout(LINES_INTRO, units, at, "\n", LINES_QUESTION.format(name=names[at]),
-                   LINES_STUB.format(name=names[at]), str(values[at]))
+    return _Layout(
+        LINES_INTRO,
+        units,
+        at,
+        "\n",
+        LINES_QUESTION.format(name=names[at]),
+        LINES_STUB.format(name=names[at]),
+        str(values[at]),
+    )
 
 
 def _line_record(rng_seed: int) -> tuple[list[str], np.ndarray]:
@@ -182,7 +199,9 @@ def _render(tokenizer, layout: _Layout, chat: bool) -> tuple[str, int]:
     text = prompt_text(tokenizer, body, chat=True) + layout.stub if chat else f"{body} {layout.stub}"
     at = text.find(f"{layout.intro}\n")
     if at < 0:
-        raise JaxkvError(f"{tokenizer.name}: the chat template changed the prompt's text (it must hold the user message as is)")
+        raise JaxkvError(
+            f"{tokenizer.name}: the chat template changed the prompt's text (it must hold the user message as is)"
+        )
     return text, at + len(layout.intro) + 1
 
 
@@ -191,7 +210,9 @@ def _encode(tokenizer, text: str, chat: bool) -> list[int]:
     return tokenizer.encode(text, add_bos=False) if chat else tokenizer.encode(text)
 
 
-def retrieval_prompt(tokenizer, task: str, length: int, depth: float, seed: int, *, chat: bool = False) -> RetrievalPrompt:
+def retrieval_prompt(
+    tokenizer, task: str, length: int, depth: float, seed: int, *, chat: bool = False
+) -> RetrievalPrompt:
     """The prompt of ``task`` with at most ``length`` tokens and its key at ``depth``.
 
     The filler (passkey) or the record (lines) grows by whole sentences (lines) while the
@@ -243,8 +264,15 @@ def retrieval_prompt(tokenizer, task: str, length: int, depth: float, seed: int,
         return len(_encode(tokenizer, text[: int(offset)], chat))
 
     return RetrievalPrompt(
-        task=task, length=length, depth=depth, seed=seed, chat=chat, text=text, ids=tuple(_encode(tokenizer, text, chat)),
-        answer=lay.answer, needle=(tokens_before(needle[0]), tokens_before(needle[1])),
+        task=task,
+        length=length,
+        depth=depth,
+        seed=seed,
+        chat=chat,
+        text=text,
+        ids=tuple(_encode(tokenizer, text, chat)),
+        answer=lay.answer,
+        needle=(tokens_before(needle[0]), tokens_before(needle[1])),
         haystack=(tokens_before(at), tokens_before(starts[-1] - len(lay.sep))),
     )
 
@@ -301,16 +329,24 @@ class RetrievalResult:
     def table(self) -> str:
         """Accuracy in % as a text table: a row per depth, a column per length, and the mean per length."""
         head = f"{'depth':>7} " + "".join(f"{n:>8}" for n in self.lengths)
-        rows = [f"{d:>7.2f} " + "".join(f"{100 * a:>7.0f}%" for a in accs) for d, accs in zip(self.depths, self.accuracy)]
+        rows = [
+            f"{d:>7.2f} " + "".join(f"{100 * a:>7.0f}%" for a in accs) for d, accs in zip(self.depths, self.accuracy)
+        ]
         mean = f"{'mean':>7} " + "".join(f"{100 * a:>7.0f}%" for a in self.accuracy.mean(axis=0))
         return "\n".join([head, *rows, mean])
 
     def to_json(self) -> dict:
         """The result as JSON-ready values (``accuracy`` as nested lists, depth-major)."""
         out = dataclasses.asdict(self)
-        out.update(accuracy=self.accuracy.tolist(), answers=[dataclasses.asdict(a) for a in self.answers],
-                   cache=list(self.cache), lengths=list(self.lengths), depths=list(self.depths), seeds=list(self.seeds),
-                   cache_bytes=list(self.cache_bytes))
+        out.update(
+            accuracy=self.accuracy.tolist(),
+            answers=[dataclasses.asdict(a) for a in self.answers],
+            cache=list(self.cache),
+            lengths=list(self.lengths),
+            depths=list(self.depths),
+            seeds=list(self.seeds),
+            cache_bytes=list(self.cache_bytes),
+        )
         return out
 
     @classmethod
@@ -318,7 +354,10 @@ class RetrievalResult:
         """The result :meth:`to_json` wrote (e.g. ``jaxkv eval --json``'s file, loaded), to tabulate or plot again."""
         values = {f.name: data[f.name] for f in dataclasses.fields(cls)}
         values.update({name: tuple(data[name]) for name in ("cache", "lengths", "depths", "seeds", "cache_bytes")})
-        values.update(accuracy=np.asarray(data["accuracy"], np.float64), answers=tuple(RetrievalAnswer(**a) for a in data["answers"]))
+        values.update(
+            accuracy=np.asarray(data["accuracy"], np.float64),
+            answers=tuple(RetrievalAnswer(**a) for a in data["answers"]),
+        )
         return cls(**values)
 
 
@@ -365,8 +404,11 @@ def retrieval_accuracy(
         raise JaxkvError("retrieval_accuracy: the model has no tokenizer (the prompts are text)")
     lengths = tuple(check_int("length", n, 1, spaced=True) for n in _nonempty("lengths", lengths))
     depths = tuple(_check_depth(d) for d in _nonempty("depths", depths))
-    seeds = tuple(range(check_int("seeds", seeds, 1))) if isinstance(seeds, (int, np.integer)) else tuple(
-        check_int("seed", s, 0, spaced=True) for s in _nonempty("seeds", seeds))
+    seeds = (
+        tuple(range(check_int("seeds", seeds, 1)))
+        if isinstance(seeds, (int, np.integer))
+        else tuple(check_int("seed", s, 0, spaced=True) for s in _nonempty("seeds", seeds))
+    )
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     batch = check_int("batch", batch, 1)
     tok = model.tokenizer
@@ -382,8 +424,14 @@ def retrieval_accuracy(
         for k in range(0, len(prompts), rows):
             part = [list(p.ids) for p in prompts[k : k + rows]]
             part += [part[0]] * (rows - len(part))
-            out = prefill_and_decode(model, new_cache(model.config, cache, rows), part, max_new_tokens=max_new_tokens,
-                                     sampler=Sampler(), eos_id=tok.eos_id)
+            out = prefill_and_decode(
+                model,
+                new_cache(model.config, cache, rows),
+                part,
+                max_new_tokens=max_new_tokens,
+                sampler=Sampler(),
+                eos_id=tok.eos_id,
+            )
             texts += [tok.decode(ids) for ids in out.token_ids]
         for i, (p, text) in enumerate(zip(prompts, texts)):
             ok = score_answer(text, p.answer)
@@ -392,12 +440,22 @@ def retrieval_accuracy(
         described.append(cache.describe())
         sizes.append(new_cache_bytes(model.config, cache, 1))
         if log is not None:
-            log(f"{task} length {length}: {100 * accuracy[:, j].mean():.0f} % of {len(prompts)} prompts "
-                f"({time.perf_counter() - t0:.0f} s so far)")
+            log(
+                f"{task} length {length}: {100 * accuracy[:, j].mean():.0f} % of {len(prompts)} prompts "
+                f"({time.perf_counter() - t0:.0f} s so far)"
+            )
     return RetrievalResult(
-        task=task, model=getattr(model.config, "name", None) or type(model.model).__name__,
-        cache=tuple(described), chat=chat, lengths=lengths, depths=depths, seeds=seeds, accuracy=accuracy,
-        answers=tuple(answers), cache_bytes=tuple(sizes), max_new_tokens=max_new_tokens,
+        task=task,
+        model=getattr(model.config, "name", None) or type(model.model).__name__,
+        cache=tuple(described),
+        chat=chat,
+        lengths=lengths,
+        depths=depths,
+        seeds=seeds,
+        accuracy=accuracy,
+        answers=tuple(answers),
+        cache_bytes=tuple(sizes),
+        max_new_tokens=max_new_tokens,
         seconds=time.perf_counter() - t0,
     )
 
@@ -422,8 +480,10 @@ def plot_heatmap(result: RetrievalResult, path: str, *, title: str | None = None
     ax.set_ylabel("depth of the key", fontsize=8)
     seeds = len(result.seeds)
     cache = result.cache[-1] + ("" if len(set(result.cache)) == 1 else " (at the longest)")
-    ax.set_title(title or f"{result.task}, {result.model}: accuracy % ({seeds} seed{'s' if seeds > 1 else ''})\n{cache}",
-                 fontsize=8)
+    ax.set_title(
+        title or f"{result.task}, {result.model}: accuracy % ({seeds} seed{'s' if seeds > 1 else ''})\n{cache}",
+        fontsize=8,
+    )
     save_figure(fig, path, dpi=100)
 
 
@@ -448,6 +508,8 @@ def _nonempty(name: str, values) -> tuple:
 def _check_fits(cache: CacheSpec | LayerSpecs, prompts: Sequence[RetrievalPrompt], max_new_tokens: int) -> None:
     limit, need = cache.token_limit, max(len(p.ids) for p in prompts) + max_new_tokens
     if limit is not None and need > limit:
-        raise CacheFullError(f"a full cache of max_len={limit} cannot hold a {prompts[0].task} prompt of length "
-                             f"{prompts[0].length} and its answer ({need} tokens): size it per length (pass a function "
-                             "of the slots needed, or None)")
+        raise CacheFullError(
+            f"a full cache of max_len={limit} cannot hold a {prompts[0].task} prompt of length "
+            f"{prompts[0].length} and its answer ({need} tokens): size it per length (pass a function "
+            "of the slots needed, or None)"
+        )

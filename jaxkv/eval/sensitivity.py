@@ -115,9 +115,13 @@ def layer_sensitivity(
     n_layers = model.config.n_layers
     for k in top:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n_layers:
-            raise JaxkvError(f"layer_sensitivity: top={tuple(top)!r}: each k must be an integer in [1, {n_layers}] "
-                             f"(the model has {n_layers} layers)")
-    specs = [LayerSpecs.boosted(base, n_layers, (layer,), mode) for layer in range(n_layers)]  # refuses a bad mode first
+            raise JaxkvError(
+                f"layer_sensitivity: top={tuple(top)!r}: each k must be an integer in [1, {n_layers}] "
+                f"(the model has {n_layers} layers)"
+            )
+    specs = [
+        LayerSpecs.boosted(base, n_layers, (layer,), mode) for layer in range(n_layers)
+    ]  # refuses a bad mode first
 
     def ppl_of(spec) -> float:
         return perplexity(token_nll(model, tokens, cache=spec, chunk=chunk, progress=progress))
@@ -130,5 +134,12 @@ def layer_sensitivity(
         layers = tuple(sorted(ranking[:k]))
         spec = LayerSpecs.boosted(base, n_layers, layers, mode)
         boosts.append(Boost(layers, spec, ppl_of(spec), *new_cache_bits(model.config, spec)))
-    return LayerSensitivity(base=base, mode=mode, base_ppl=base_ppl, base_bits=new_cache_bits(model.config, base),
-                            ppl=ppl, ranking=ranking, top=tuple(boosts))
+    return LayerSensitivity(
+        base=base,
+        mode=mode,
+        base_ppl=base_ppl,
+        base_bits=new_cache_bits(model.config, base),
+        ppl=ppl,
+        ranking=ranking,
+        top=tuple(boosts),
+    )

@@ -112,8 +112,14 @@ def filled_report(spec: CacheSpec, tokens: int, *, shape: dict = SMOLLM2_SHAPE) 
     return memory_report(cache)
 
 
-def memory_rows(tokens=MEMORY_TOKENS, modes=MEMORY_MODES, *, group_size: int = GROUP_SIZE, residual: int = RESIDUAL,
-                shape: dict = SMOLLM2_SHAPE) -> list[dict]:
+def memory_rows(
+    tokens=MEMORY_TOKENS,
+    modes=MEMORY_MODES,
+    *,
+    group_size: int = GROUP_SIZE,
+    residual: int = RESIDUAL,
+    shape: dict = SMOLLM2_SHAPE,
+) -> list[dict]:
     """The memory table: one dict per (stored tokens, mode), caches of :func:`memory_spec`.
 
     Returns:
@@ -126,14 +132,27 @@ def memory_rows(tokens=MEMORY_TOKENS, modes=MEMORY_MODES, *, group_size: int = G
     """
     rows = []
     for n in tokens:
-        reports = {m: allocated_report(memory_spec(m, n, group_size=group_size, residual=residual), shape=shape)
-                   for m in modes}
-        bf16 = reports["bf16"][0].allocated_bytes if "bf16" in reports else allocated_report(
-            memory_spec("bf16", n), shape=shape)[0].allocated_bytes
+        reports = {
+            m: allocated_report(memory_spec(m, n, group_size=group_size, residual=residual), shape=shape) for m in modes
+        }
+        bf16 = (
+            reports["bf16"][0].allocated_bytes
+            if "bf16" in reports
+            else allocated_report(memory_spec("bf16", n), shape=shape)[0].allocated_bytes
+        )
         for m in modes:
             rep, leaves = reports[m]
-            rows.append(dict(tokens=n, mode=m, capacity=rep.capacity, bytes=rep.allocated_bytes, leaf_bytes=leaves,
-                             groups=dict(rep.allocated), ratio_vs_bf16=bf16 / rep.allocated_bytes))
+            rows.append(
+                dict(
+                    tokens=n,
+                    mode=m,
+                    capacity=rep.capacity,
+                    bytes=rep.allocated_bytes,
+                    leaf_bytes=leaves,
+                    groups=dict(rep.allocated),
+                    ratio_vs_bf16=bf16 / rep.allocated_bytes,
+                )
+            )
     return rows
 
 
@@ -145,8 +164,11 @@ def memory_markdown(rows: list[dict]) -> str:
     cell = {(r["tokens"], r["mode"]): r for r in rows}
     out = ["| stored tokens | " + " | ".join(modes) + " |", "|---:|" + "---:|" * len(modes)]
     for n in tokens:
-        out.append(f"| {n} | " + " | ".join(
-            f"{cell[n, m]['bytes'] / 2**20:.3f} MiB ({cell[n, m]['ratio_vs_bf16']:.2f}x)" for m in modes) + " |")
+        out.append(
+            f"| {n} | "
+            + " | ".join(f"{cell[n, m]['bytes'] / 2**20:.3f} MiB ({cell[n, m]['ratio_vs_bf16']:.2f}x)" for m in modes)
+            + " |"
+        )
     out.append("")
     out.append(f"Breakdown at {tokens[-1]} stored tokens (bytes):")
     out.append("")
@@ -182,8 +204,15 @@ def prefix_match(reference, got) -> float:
     return n / len(reference)
 
 
-def greedy_match(model: LoadedModel, prompts=PROMPTS, *, modes=GREEDY_MODES, new_tokens: int = NEW_TOKENS,
-                 group_size: int = GROUP_SIZE, residual: int = RESIDUAL) -> dict:
+def greedy_match(
+    model: LoadedModel,
+    prompts=PROMPTS,
+    *,
+    modes=GREEDY_MODES,
+    new_tokens: int = NEW_TOKENS,
+    group_size: int = GROUP_SIZE,
+    residual: int = RESIDUAL,
+) -> dict:
     """Greedy-decode ``prompts`` together with an fp32 full cache and with each of ``modes``.
 
     Args:
@@ -206,7 +235,9 @@ def greedy_match(model: LoadedModel, prompts=PROMPTS, *, modes=GREEDY_MODES, new
     max_len = max(len(p) for p in ids) + new_tokens
 
     def mode_spec(mode):
-        return lambda slots: CacheSpec(max_len=slots, kv_quantize=mode, group_size=group_size, residual=residual)  # G, R: KIVI only
+        return lambda slots: CacheSpec(
+            max_len=slots, kv_quantize=mode, group_size=group_size, residual=residual
+        )  # G, R: KIVI only
 
     specs = dict(modes) if isinstance(modes, Mapping) else {mode: mode_spec(mode) for mode in modes}
 
@@ -215,8 +246,13 @@ def greedy_match(model: LoadedModel, prompts=PROMPTS, *, modes=GREEDY_MODES, new
         spec = make_spec(max_len)
         out = generate(model, ids, max_new_tokens=new_tokens, cache=spec, eos_id=-1)
         assert all(len(t) == new_tokens for t in out.token_ids), out.finish_reasons
-        timing = dict(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0,
-                      compile_s=out.compile_s, prefill_s=out.prefill_s, decode_s=out.decode_s)
+        timing = dict(
+            seconds=time.perf_counter() - t0,
+            cpu_seconds=time.process_time() - c0,
+            compile_s=out.compile_s,
+            prefill_s=out.prefill_s,
+            decode_s=out.decode_s,
+        )
         return out.token_ids, timing
 
     reference, ref_timing = run(mode_spec("fp32"))
@@ -224,8 +260,9 @@ def greedy_match(model: LoadedModel, prompts=PROMPTS, *, modes=GREEDY_MODES, new
     for mode, make_spec in specs.items():
         got, timing = run(make_spec)
         per = [prefix_match(r, g) for r, g in zip(reference, got)]
-        result["modes"][mode] = dict(per_prompt=per, mean=sum(per) / len(per), exact=sum(p == 1.0 for p in per),
-                                     tokens=got, **timing)
+        result["modes"][mode] = dict(
+            per_prompt=per, mean=sum(per) / len(per), exact=sum(p == 1.0 for p in per), tokens=got, **timing
+        )
     return result
 
 
@@ -234,11 +271,18 @@ def greedy_markdown(results: dict) -> str:
     modes = list(next(iter(results.values()))["modes"])
     first = next(iter(results.values()))["reference"]
     n, steps = len(first), len(first[0])
-    out = [f"Mean prefix match with the fp32 cache ({n} prompts, {steps} greedy tokens each; exact rows in brackets):",
-           "", "| model | " + " | ".join(modes) + " |", "|---|" + "---:|" * len(modes)]
+    out = [
+        f"Mean prefix match with the fp32 cache ({n} prompts, {steps} greedy tokens each; exact rows in brackets):",
+        "",
+        "| model | " + " | ".join(modes) + " |",
+        "|---|" + "---:|" * len(modes),
+    ]
     for name, res in results.items():
-        out.append(f"| {name} | " + " | ".join(
-            f"{res['modes'][m]['mean']:.3f} ({res['modes'][m]['exact']}/{n})" for m in modes) + " |")
+        out.append(
+            f"| {name} | "
+            + " | ".join(f"{res['modes'][m]['mean']:.3f} ({res['modes'][m]['exact']}/{n})" for m in modes)
+            + " |"
+        )
     out += ["", "Per prompt (fraction before the first divergence):", ""]
     out.append("| model | mode | " + " | ".join(f"p{i}" for i in range(n)) + " |")
     out.append("|---|---|" + "---:|" * n)

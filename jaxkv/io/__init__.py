@@ -185,8 +185,13 @@ class LoadedModel:
                 ) from None
 
 
-def load_model(path: str | os.PathLike | None = None, *, tokenizer: str | os.PathLike | None = None, dtype=jnp.float32,
-               weights: str = "fp32") -> LoadedModel:
+def load_model(
+    path: str | os.PathLike | None = None,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    dtype=jnp.float32,
+    weights: str = "fp32",
+) -> LoadedModel:
     """Load a GGUF, llama2.c or Hugging Face checkpoint (and its tokenizer) into its family's model.
 
     Args:

@@ -50,7 +50,9 @@ def _score_merges(pieces: Sequence[str], scores: Sequence[float], types: Sequenc
     for piece, score, kind in zip(pieces, scores, types):
         if kind != NORMAL:
             continue
-        local = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in mergeable and piece[i:] in mergeable]
+        local = [
+            (piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in mergeable and piece[i:] in mergeable
+        ]
         local.sort(key=lambda lr: (ids[lr[0]], ids[lr[1]]))
         ranked += [(score, left, right) for left, right in local]
     ranked.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)  # stable: ties keep piece order
@@ -105,7 +107,9 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], types: Sequence
       JaxkvError: for a pre-tokenizer we do not reproduce.
     """
     if pre not in _BYTE_LEVEL_PRE:
-        raise JaxkvError(f"GGUF tokenizer pre-tokenizer {pre!r} is not supported: expected one of {sorted(_BYTE_LEVEL_PRE)}")
+        raise JaxkvError(
+            f"GGUF tokenizer pre-tokenizer {pre!r} is not supported: expected one of {sorted(_BYTE_LEVEL_PRE)}"
+        )
     bpe = models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ", 1)) for m in merges])
     tokenizer = HFTokenizer(bpe)
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(

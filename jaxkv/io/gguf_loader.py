@@ -117,14 +117,18 @@ def _open(path: str | os.PathLike, name: str) -> gguf.GGUFReader:
     except OSError as e:
         raise ModelFileError(f"cannot read GGUF file {os.fspath(path)}: {e.strerror or e}") from None
     if len(magic) < len(MAGIC):
-        raise ModelFileError(f"{name}: truncated: a GGUF file starts with {MAGIC!r} and a header, got {len(magic)} bytes")
+        raise ModelFileError(
+            f"{name}: truncated: a GGUF file starts with {MAGIC!r} and a header, got {len(magic)} bytes"
+        )
     if magic != MAGIC:
         raise ModelFileError(f"{name}: not a GGUF file (starts with {magic!r}, expected {MAGIC!r})")
     try:
         reader = _Reader(path)
     except _PastTheEnd as e:
         part = "its tensor data end at" if e.tensor_data else "its header (metadata, tensor infos) runs to"
-        raise ModelFileError(f"{name}: truncated GGUF file: {part} byte {e.end:,}, the file has {e.size:,} bytes") from None
+        raise ModelFileError(
+            f"{name}: truncated GGUF file: {part} byte {e.end:,}, the file has {e.size:,} bytes"
+        ) from None
     except (ValueError, IndexError, KeyError, OverflowError) as e:
         raise ModelFileError(f"{name}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
     return reader
@@ -251,7 +255,9 @@ def load_gguf(path: str | os.PathLike, *, lazy: bool = False) -> tuple[Any, Mapp
     for template, keys in fmt.plan(weight_shapes):
         per_layer = "{i}" in template
         names = [template.format(i=i) for i in range(weight_shapes[keys[0]][0])] if per_layer else [template]
-        parts = [weight_shapes[k][1:] if per_layer else weight_shapes[k] for k in keys]  # internal [in, out] of one tensor
+        parts = [
+            weight_shapes[k][1:] if per_layer else weight_shapes[k] for k in keys
+        ]  # internal [in, out] of one tensor
         one = parts[0][:-1] + (sum(p[-1] for p in parts),)  # fused parts: concatenated on the output axis
         matrix = keys[0] in fmt.linear
         n_heads = getattr(config, fmt.interleaved[keys[0]]) if keys[0] in fmt.interleaved else None
@@ -263,7 +269,9 @@ def load_gguf(path: str | os.PathLike, *, lazy: bool = False) -> tuple[Any, Mapp
             _check_type(name, tensor)
             expected = one[::-1] if matrix else one  # the file's numpy order: (out, in)
             if shapes[tensor_name] != expected:
-                raise ModelFileError(f"{name}: tensor {tensor_name!r} has shape {shapes[tensor_name]}; expected {expected} for this config")
+                raise ModelFileError(
+                    f"{name}: tensor {tensor_name!r} has shape {shapes[tensor_name]}; expected {expected} for this config"
+                )
             group.append(tensor)
             read.add(tensor_name)
         build = functools.partial(_build_stacks, reader, name, keys, parts, group, per_layer, matrix, n_heads)

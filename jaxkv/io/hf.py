@@ -44,8 +44,12 @@ INDEX = "model.safetensors.index.json"
 
 # safetensors dtype codes -> numpy dtypes, for files the installed safetensors cannot read as numpy
 _RAW_DTYPES = {
-    "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F64": np.float64,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 
 
@@ -283,7 +287,9 @@ def load_hf_tokenizer(folder: str, hf_config: dict | None = None) -> Tokenizer:
     return Tokenizer.from_hf(hf, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, chat_template=template, name=name)
 
 
-def load_hf(folder: str | os.PathLike, *, tokenizer: bool = True) -> tuple[Any, dict[str, np.ndarray], Tokenizer | None]:
+def load_hf(
+    folder: str | os.PathLike, *, tokenizer: bool = True
+) -> tuple[Any, dict[str, np.ndarray], Tokenizer | None]:
     """Load a Hugging Face model folder.
 
     Args:
@@ -302,7 +308,9 @@ def load_hf(folder: str | os.PathLike, *, tokenizer: bool = True) -> tuple[Any, 
     folder = os.fspath(folder)
     config_path = os.path.join(folder, CONFIG)
     if not os.path.isfile(config_path):
-        raise ModelFileError(f"{folder}: no {CONFIG}; a Hugging Face model folder needs config.json, model safetensors and tokenizer.json")
+        raise ModelFileError(
+            f"{folder}: no {CONFIG}; a Hugging Face model folder needs config.json, model safetensors and tokenizer.json"
+        )
     hf_config = _read_json(config_path, "model config")
     try:
         family = registry.family_for_hf(hf_config)

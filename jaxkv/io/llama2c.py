@@ -95,7 +95,9 @@ def load_llama2c(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.nda
     except OSError as e:
         raise ModelFileError(f"cannot read llama2.c checkpoint {os.fspath(path)}: {e.strerror or e}") from None
     if size < HEADER_BYTES:
-        raise ModelFileError(f"{name}: truncated: a llama2.c checkpoint starts with a {HEADER_BYTES}-byte header, got {size:,} bytes")
+        raise ModelFileError(
+            f"{name}: truncated: a llama2.c checkpoint starts with a {HEADER_BYTES}-byte header, got {size:,} bytes"
+        )
     header = {k: int(v) for k, v in zip(_HEADER_NAMES, raw_header)}
     _check_header(name, header)
 

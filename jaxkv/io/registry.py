@@ -30,12 +30,19 @@ _BY_CONFIG = {}
 for _family in FAMILIES.values():  # families that share a config class (variants of one decoder) share its model
     _BY_CONFIG.setdefault(_family.config, _family)
     if (_family.model, dict(_family.head_axes), dict(_family.mlp_axes)) != (
-            _BY_CONFIG[_family.config].model, dict(_BY_CONFIG[_family.config].head_axes), dict(_BY_CONFIG[_family.config].mlp_axes)):
-        raise RuntimeError(f"families {_family.name} and {_BY_CONFIG[_family.config].name} share a config class but not its model")
+        _BY_CONFIG[_family.config].model,
+        dict(_BY_CONFIG[_family.config].head_axes),
+        dict(_BY_CONFIG[_family.config].mlp_axes),
+    ):
+        raise RuntimeError(
+            f"families {_family.name} and {_BY_CONFIG[_family.config].name} share a config class but not its model"
+        )
 
 
 def _supported(kind: str) -> list[str]:
-    return [arch for family in FAMILIES.values() if getattr(family, kind) for arch in getattr(family, kind).architectures]
+    return [
+        arch for family in FAMILIES.values() if getattr(family, kind) for arch in getattr(family, kind).architectures
+    ]
 
 
 def family_for_hf(config: dict) -> Family:

@@ -52,7 +52,9 @@ class _SentencePieceBackend:
         self._sp = sp
         self.vocab_size = sp.get_piece_size()
         self._special = {sp.id_to_piece(i): i for i in range(self.vocab_size) if sp.is_control(i) or sp.is_unknown(i)}
-        self._splitter = re.compile("(" + "|".join(re.escape(p) for p in sorted(self._special, key=len, reverse=True)) + ")")
+        self._splitter = re.compile(
+            "(" + "|".join(re.escape(p) for p in sorted(self._special, key=len, reverse=True)) + ")"
+        )
 
     def encode(self, text: str) -> list[int]:
         ids = []
@@ -148,7 +150,9 @@ class Tokenizer:
         backend = _HFBackend(tokenizer)
         for role, token_id in (("bos_id", bos_id), ("eos_id", eos_id)):
             if token_id is not None and not 0 <= token_id < backend.vocab_size:
-                raise JaxkvError(f"{name}: {role}={token_id!r} is not an id of the {backend.vocab_size}-token vocabulary")
+                raise JaxkvError(
+                    f"{name}: {role}={token_id!r} is not an id of the {backend.vocab_size}-token vocabulary"
+                )
         if add_bos and bos_id is None:
             raise JaxkvError(f"{name}: add_bos=True needs a bos_id")
         return cls(backend, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, chat_template=chat_template, name=name)

@@ -79,19 +79,32 @@ def _from_hf(family: str, architectures: tuple, model_types: dict, qk_norm: bool
         arch = hf_architecture(hf, architectures, model_types)
         n_layers, window = hf.get("num_hidden_layers"), hf.get("sliding_window")
         kinds = hf.get("layer_types") or (
-            _layer_types(n_layers, hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or PATTERN[family])
-            if isinstance(n_layers, int) and window else None)
+            _layer_types(
+                n_layers, hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or PATTERN[family]
+            )
+            if isinstance(n_layers, int) and window
+            else None
+        )
         scalar = hf.get("query_pre_attn_scalar")
         if scalar is not None and not (isinstance(scalar, (int, float)) and scalar > 0):
             raise JaxkvError(f"{arch} config: query_pre_attn_scalar={scalar!r}, expected a positive number")
         return hf_config(
-            hf, arch=arch, family=family, name=name, unsupported=_HF_GEMMA_UNSUPPORTED,
-            activations=("gelu_pytorch_tanh",), layer_types=tuple(kinds) if kinds else None,
+            hf,
+            arch=arch,
+            family=family,
+            name=name,
+            unsupported=_HF_GEMMA_UNSUPPORTED,
+            activations=("gelu_pytorch_tanh",),
+            layer_types=tuple(kinds) if kinds else None,
             sliding_window=window if kinds and "sliding_attention" in kinds else None,
-            attn_softcap=hf.get("attn_logit_softcapping"), final_softcap=hf.get("final_logit_softcapping"),
-            query_scale=None if scalar is None else float(scalar) ** -0.5, qk_norm=qk_norm,
-            post_norms=True, embed_scale=True,
+            attn_softcap=hf.get("attn_logit_softcapping"),
+            final_softcap=hf.get("final_logit_softcapping"),
+            query_scale=None if scalar is None else float(scalar) ** -0.5,
+            qk_norm=qk_norm,
+            post_norms=True,
+            embed_scale=True,
         )
+
     return config
 
 
@@ -101,21 +114,45 @@ def _from_gguf(arch: str, qk_norm: bool, large_layers: int):
         window = metadata.get(f"{arch}.attention.sliding_window")
         if arch == "gemma2" and window is None:
             window = 4096  # llama.cpp's default for Gemma 2 files that do not say
-        kinds = _layer_types(n_layers, metadata.get(f"{arch}.attention.sliding_window_pattern", PATTERN[arch])) if window else None
-        dim, heads = int(metadata.get(f"{arch}.embedding_length", 0)), int(metadata.get(f"{arch}.attention.head_count", 1))
+        kinds = (
+            _layer_types(n_layers, metadata.get(f"{arch}.attention.sliding_window_pattern", PATTERN[arch]))
+            if window
+            else None
+        )
+        dim, heads = (
+            int(metadata.get(f"{arch}.embedding_length", 0)),
+            int(metadata.get(f"{arch}.attention.head_count", 1)),
+        )
         head_dim = int(metadata.get(f"{arch}.attention.key_length", dim // heads))
         # llama.cpp's score scale: 1/sqrt(H), except the 27B models' 1/sqrt(D/N) (gemma_pytorch's config)
         scale = (dim // heads if n_layers == large_layers else head_dim) ** -0.5
-        local_theta = float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0 if arch == "gemma3" else metadata.get(f"{arch}.rope.freq_base", 10000.0)))
+        local_theta = float(
+            metadata.get(
+                f"{arch}.rope.freq_base_swa",
+                10000.0 if arch == "gemma3" else metadata.get(f"{arch}.rope.freq_base", 10000.0),
+            )
+        )
         config = gguf_config(
-            metadata, arch=arch, family=arch, tie_embeddings=True, vocab_size=vocab_size, name=name, extra=extra,
-            layer_types=kinds, sliding_window=int(window) if window else None, query_scale=scale,
+            metadata,
+            arch=arch,
+            family=arch,
+            tie_embeddings=True,
+            vocab_size=vocab_size,
+            name=name,
+            extra=extra,
+            layer_types=kinds,
+            sliding_window=int(window) if window else None,
+            query_scale=scale,
             attn_softcap=metadata.get(f"{arch}.attn_logit_softcapping"),
-            final_softcap=metadata.get(f"{arch}.final_logit_softcapping") or None, qk_norm=qk_norm,
-            post_norms=True, embed_scale=True, mlp_activation="gelu_tanh",
+            final_softcap=metadata.get(f"{arch}.final_logit_softcapping") or None,
+            qk_norm=qk_norm,
+            post_norms=True,
+            embed_scale=True,
+            mlp_activation="gelu_tanh",
         )
         local = Rope.default(local_theta, config.head_dim)
         return dataclasses.replace(config, local_rope=None if local == config.rope_for("full_attention") else local)
+
     return gguf_builder(build)
 
 
@@ -127,10 +164,20 @@ def _family(name: str, arch: str, model_types: dict, qk_norm: bool, large_layers
         weight_shapes=weight_shapes,
         head_axes={"wq": 2, "wk": 2, "wv": 2, "wo": 1},
         mlp_axes={"w_gate": 2, "w_up": 2, "w_down": 1},
-        hf=Format(config=_from_hf(name, (arch,), model_types, qk_norm), tensors=HF_GEMMA_TENSORS, linear=LINEAR,
-                  architectures=(arch,), model_types=tuple(model_types), transform=_add_one_to_norms),
-        gguf=Format(config=_from_gguf(name, qk_norm, large_layers), tensors=GGUF_GEMMA_TENSORS, linear=LINEAR,
-                    architectures=(name,)),
+        hf=Format(
+            config=_from_hf(name, (arch,), model_types, qk_norm),
+            tensors=HF_GEMMA_TENSORS,
+            linear=LINEAR,
+            architectures=(arch,),
+            model_types=tuple(model_types),
+            transform=_add_one_to_norms,
+        ),
+        gguf=Format(
+            config=_from_gguf(name, qk_norm, large_layers),
+            tensors=GGUF_GEMMA_TENSORS,
+            linear=LINEAR,
+            architectures=(name,),
+        ),
     )
 
 

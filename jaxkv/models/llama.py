@@ -156,7 +156,16 @@ class LlamaConfig:
     query_scale: float | None = None
 
     def __post_init__(self):
-        for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "max_seq_len"):
+        for field in (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "hidden_dim",
+            "max_seq_len",
+        ):
             value = getattr(self, field)
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise JaxkvError(f"LlamaConfig.{field}={value!r}: expected a positive integer")
@@ -172,15 +181,25 @@ class LlamaConfig:
             rope = getattr(self, field)
             if rope is not None and (not isinstance(rope, Rope) or rope.head_dim != self.head_dim):
                 raise JaxkvError(f"LlamaConfig.{field}={rope!r}: expected a Rope for head dim {self.head_dim}")
-        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
             raise JaxkvError(f"LlamaConfig.sliding_window={self.sliding_window!r}: expected a positive integer or None")
         if self.layer_types is not None:
-            if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.n_layers or not set(self.layer_types) <= set(LAYER_KINDS):
-                raise JaxkvError(f"LlamaConfig.layer_types={self.layer_types!r}: expected a tuple of {self.n_layers} of {', '.join(LAYER_KINDS)}")
+            if (
+                not isinstance(self.layer_types, tuple)
+                or len(self.layer_types) != self.n_layers
+                or not set(self.layer_types) <= set(LAYER_KINDS)
+            ):
+                raise JaxkvError(
+                    f"LlamaConfig.layer_types={self.layer_types!r}: expected a tuple of {self.n_layers} of {', '.join(LAYER_KINDS)}"
+                )
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise JaxkvError("LlamaConfig.layer_types has sliding_attention layers but sliding_window is None")
         if self.mlp_activation not in MLP_ACTIVATIONS:
-            raise JaxkvError(f"LlamaConfig.mlp_activation={self.mlp_activation!r}: expected one of {', '.join(MLP_ACTIVATIONS)}")
+            raise JaxkvError(
+                f"LlamaConfig.mlp_activation={self.mlp_activation!r}: expected one of {', '.join(MLP_ACTIVATIONS)}"
+            )
         for field in ("attn_softcap", "final_softcap", "query_scale"):
             value = getattr(self, field)
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
@@ -216,10 +235,14 @@ class LlamaConfig:
             return spec
         per_layer = isinstance(spec, LayerSpecs)
         if per_layer and len(spec.specs) != self.n_layers:
-            raise JaxkvError(f"LayerSpecs holds {len(spec.specs)} layer specs, but the model has n_layers={self.n_layers}")
+            raise JaxkvError(
+                f"LayerSpecs holds {len(spec.specs)} layer specs, but the model has n_layers={self.n_layers}"
+            )
         given = spec.specs if per_layer else (spec,) * self.n_layers
         kinds = self.layer_kinds
-        local = {s: s.local(self.sliding_window) for s in {g for g, kind in zip(given, kinds) if kind == "sliding_attention"}}
+        local = {
+            s: s.local(self.sliding_window) for s in {g for g, kind in zip(given, kinds) if kind == "sliding_attention"}
+        }
         specs = tuple(local[s] if kind == "sliding_attention" else s for s, kind in zip(given, kinds))
         return LayerSpecs(specs) if per_layer or len(set(specs)) > 1 else specs[0]
 
@@ -247,8 +270,15 @@ class LlamaConfig:
         )
 
     @classmethod
-    def from_gguf(cls, metadata: dict, *, tie_embeddings: bool, vocab_size: int | None = None, name: str = "gguf",
-                  extra: dict | None = None) -> LlamaConfig:
+    def from_gguf(
+        cls,
+        metadata: dict,
+        *,
+        tie_embeddings: bool,
+        vocab_size: int | None = None,
+        name: str = "gguf",
+        extra: dict | None = None,
+    ) -> LlamaConfig:
         """Config from GGUF ``llama.*`` metadata (a plain ``{key: value}`` dict): Llama 2/3.x,
         SmolLM2, TinyLlama, Mistral (llama.cpp writes them all as ``llama``).
 
@@ -261,9 +291,16 @@ class LlamaConfig:
         Raises:
           JaxkvError: see :func:`gguf_config`.
         """
-        return gguf_config(metadata, arch="llama", family="llama", tie_embeddings=tie_embeddings,
-                           vocab_size=vocab_size, name=name, extra=extra,
-                           sliding_window=metadata.get("llama.attention.sliding_window"))
+        return gguf_config(
+            metadata,
+            arch="llama",
+            family="llama",
+            tie_embeddings=tie_embeddings,
+            vocab_size=vocab_size,
+            name=name,
+            extra=extra,
+            sliding_window=metadata.get("llama.attention.sliding_window"),
+        )
 
     @classmethod
     def from_hf(cls, hf: dict, *, name: str = "hf") -> LlamaConfig:
@@ -298,7 +335,9 @@ class LlamaConfig:
         path = pathlib.Path(name) if name.endswith(".json") else folder / f"{name}.json"
         if not path.is_file():
             known = sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
-            raise JaxkvError(f"no config preset {name!r}: expected one of {', '.join(known) or '(none found)'} or a .json path")
+            raise JaxkvError(
+                f"no config preset {name!r}: expected one of {', '.join(known) or '(none found)'} or a .json path"
+            )
         try:
             return cls(**json.loads(path.read_text()))
         except (ValueError, TypeError) as e:
@@ -364,9 +403,13 @@ INTERLEAVED = {"wq": "n_heads", "wk": "n_kv_heads"}
 """Q/K projections, which llama2.c and GGUF files store in the interleaved-pair RoPE layout."""
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 OPTIONAL_LAYER_WEIGHTS = {  # per-layer weights a config switch adds -> that switch
-    "bq": "attention_bias", "bk": "attention_bias", "bv": "attention_bias",
-    "q_norm": "qk_norm", "k_norm": "qk_norm",
-    "attn_post_norm": "post_norms", "mlp_post_norm": "post_norms",
+    "bq": "attention_bias",
+    "bk": "attention_bias",
+    "bv": "attention_bias",
+    "q_norm": "qk_norm",
+    "k_norm": "qk_norm",
+    "attn_post_norm": "post_norms",
+    "mlp_post_norm": "post_norms",
 }
 
 
@@ -432,7 +475,9 @@ class Llama(nnx.Module):
             setattr(self, name, nnx.Param(value))
 
     @classmethod
-    def from_weights(cls, config: LlamaConfig, weights: dict, *, dtype=jnp.float32, weight_format: str = "fp32") -> Llama:
+    def from_weights(
+        cls, config: LlamaConfig, weights: dict, *, dtype=jnp.float32, weight_format: str = "fp32"
+    ) -> Llama:
         """A model holding ``weights`` (numpy arrays of the internal layout), cast to ``dtype``.
 
         The matrices are held transposed (:mod:`jaxkv.models.weights`: a
@@ -453,8 +498,10 @@ class Llama(nnx.Module):
         """
         check_weight_format(weight_format)
         if weight_format != "fp32" and jnp.dtype(dtype) != jnp.float32:
-            raise JaxkvError(f"{config.name}: weights={weight_format!r} computes in float32 between layers: "
-                             f"expected dtype float32, got {jnp.dtype(dtype).name}")
+            raise JaxkvError(
+                f"{config.name}: weights={weight_format!r} computes in float32 between layers: "
+                f"expected dtype float32, got {jnp.dtype(dtype).name}"
+            )
         shapes = weight_shapes(config)
         missing = [name for name in shapes if name not in weights]
         if missing:
@@ -504,7 +551,14 @@ class Llama(nnx.Module):
             def attention(h):
                 bias = (w["bq"], w["bk"], w["bv"]) if c.attention_bias else None
                 q, k, v = qkv_projection(
-                    h, w["wq"], w["wk"], w["wv"], n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, bias=bias
+                    h,
+                    w["wq"],
+                    w["wk"],
+                    w["wv"],
+                    n_heads=c.n_heads,
+                    n_kv_heads=c.n_kv_heads,
+                    head_dim=c.head_dim,
+                    bias=bias,
                 )
                 if c.qk_norm:
                     q, k = rms_norm(q, w["q_norm"], c.norm_eps), rms_norm(k, w["k_norm"], c.norm_eps)
@@ -512,8 +566,9 @@ class Llama(nnx.Module):
                     k, v = kv_hook(k, v)
                 retention = step.spec.policy.retention
                 scored = retention is not None and retention.attention_scored
-                out, *stored = attend(step, kv, q, k, v, rope=rope, scale=c.query_scale, softcap=c.attn_softcap,
-                                      mass=scored)
+                out, *stored = attend(
+                    step, kv, q, k, v, rope=rope, scale=c.query_scale, softcap=c.attn_softcap, mass=scored
+                )
                 return dense(out.reshape(b, t, c.n_heads * c.head_dim), w["wo"]), tuple(stored)
 
             def mlp(h):
@@ -529,10 +584,12 @@ class Llama(nnx.Module):
         for first, end, run_step, run_layers in cache.runs(step):  # one run unless per-layer specs
             window = c.sliding_window if kinds[first] == "sliding_attention" else None
             if len(set(kinds[first:end])) != 1 or run_step.spec.attention_window != window:
-                raise JaxkvError(f"{c.name}: the cache of layers {first}-{end - 1} is not the one their attention needs "
-                                 f"(a local window of {c.sliding_window} tokens on {', '.join(sorted(set(kinds[first:end])))} "
-                                 "layers): make it with jaxkv.decode.new_cache(config, spec, batch), or "
-                                 "KVCache.create(config.cache_spec(spec), ...)")
+                raise JaxkvError(
+                    f"{c.name}: the cache of layers {first}-{end - 1} is not the one their attention needs "
+                    f"(a local window of {c.sliding_window} tokens on {', '.join(sorted(set(kinds[first:end])))} "
+                    "layers): make it with jaxkv.decode.new_cache(config, spec, batch), or "
+                    "KVCache.create(config.cache_spec(spec), ...)"
+                )
             run_weights = weights if (first, end) == (0, c.n_layers) else jax.tree.map(lambda a: a[first:end], weights)  # noqa: B023
             body = functools.partial(layer, run_step, c.rope_for(kinds[first]))
             x, (k_run, v_run, *mass) = lax.scan(body, x, (run_weights, run_layers))
@@ -599,7 +656,9 @@ def hf_rope(hf: dict, arch: str, head_dim: int, kind: str = "full_attention") ->
     theta = float(params.get("rope_theta") or 10000.0)
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
-        raise JaxkvError(f"{arch} config: partial_rotary_factor={partial!r} is not supported: expected 1 (RoPE on whole heads)")
+        raise JaxkvError(
+            f"{arch} config: partial_rotary_factor={partial!r} is not supported: expected 1 (RoPE on whole heads)"
+        )
     rope_type = params.get("rope_type", params.get("type")) or "default"
     if rope_type == "default":
         return Rope.default(theta, head_dim)
@@ -608,8 +667,10 @@ def hf_rope(hf: dict, arch: str, head_dim: int, kind: str = "full_attention") ->
     if rope_type == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         return Rope.llama3(theta, head_dim, **{k: params.get(k) for k in keys})
-    raise JaxkvError(f"{arch} config: rope_scaling of type {rope_type!r} is not supported: expected one of "
-                     f"{', '.join(_HF_ROPE_TYPES)}")
+    raise JaxkvError(
+        f"{arch} config: rope_scaling of type {rope_type!r} is not supported: expected one of "
+        f"{', '.join(_HF_ROPE_TYPES)}"
+    )
 
 
 def _theta(hf: dict) -> float:
@@ -622,8 +683,16 @@ def _theta(hf: dict) -> float:
     return float(hf.get("rope_theta") or 10000.0)
 
 
-def hf_config(hf: dict, *, arch: str, family: str, name: str, unsupported: dict | None = None,
-              activations=("silu", "swish"), **switches) -> LlamaConfig:
+def hf_config(
+    hf: dict,
+    *,
+    arch: str,
+    family: str,
+    name: str,
+    unsupported: dict | None = None,
+    activations=("silu", "swish"),
+    **switches,
+) -> LlamaConfig:
     """A :class:`LlamaConfig` from a ``config.json``, for any family.
 
     Reads ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
@@ -644,6 +713,7 @@ def hf_config(hf: dict, *, arch: str, family: str, name: str, unsupported: dict 
       JaxkvError: a missing or invalid size, an unsupported activation or RoPE, or an
         attribute named in ``unsupported`` with another value (named, with the accepted ones).
     """
+
     def need(key):
         value = hf.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -652,16 +722,22 @@ def hf_config(hf: dict, *, arch: str, family: str, name: str, unsupported: dict 
 
     act = hf.get("hidden_activation") or hf.get("hidden_act") or activations[0]
     if act not in activations:
-        raise JaxkvError(f"{arch} config: hidden_act={act!r} is not supported: expected {' or '.join(map(repr, activations))}")
+        raise JaxkvError(
+            f"{arch} config: hidden_act={act!r} is not supported: expected {' or '.join(map(repr, activations))}"
+        )
     for key, neutral in (_HF_UNSUPPORTED if unsupported is None else unsupported).items():
         if hf.get(key) not in neutral:
-            raise JaxkvError(f"{arch} config: {key}={hf.get(key)!r} is not supported: expected {' or '.join(map(repr, neutral))}")
+            raise JaxkvError(
+                f"{arch} config: {key}={hf.get(key)!r} is not supported: expected {' or '.join(map(repr, neutral))}"
+            )
     dim, n_heads, n_layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
     head_dim = hf.get("head_dim") or (dim // n_heads)
     kinds = switches.pop("layer_types", None)
     if kinds is None and hf.get("layer_types") and set(hf["layer_types"]) != {"full_attention"}:
         other = next(k for k in hf["layer_types"] if k != "full_attention")
-        raise JaxkvError(f"{arch} config: layer_types with {other!r} is not supported: expected only 'full_attention' layers")
+        raise JaxkvError(
+            f"{arch} config: layer_types with {other!r} is not supported: expected only 'full_attention' layers"
+        )
     rope = hf_rope(hf, arch, head_dim)
     local = hf_rope(hf, arch, head_dim, "sliding_attention") if kinds and "sliding_attention" in kinds else None
     theta = _theta(hf)
@@ -685,8 +761,20 @@ def hf_config(hf: dict, *, arch: str, family: str, name: str, unsupported: dict 
         family=family,
         **switches,
     )
-def gguf_config(metadata: dict, *, arch: str, family: str, tie_embeddings: bool, vocab_size: int | None, name: str,
-                extra: dict | None = None, neutral: dict | None = None, **switches) -> LlamaConfig:
+
+
+def gguf_config(
+    metadata: dict,
+    *,
+    arch: str,
+    family: str,
+    tie_embeddings: bool,
+    vocab_size: int | None,
+    name: str,
+    extra: dict | None = None,
+    neutral: dict | None = None,
+    **switches,
+) -> LlamaConfig:
     """A :class:`LlamaConfig` from the ``{arch}.*`` keys of a GGUF file's metadata, for any family.
 
     Reads ``embedding_length``, ``block_count``, ``attention.head_count``,
@@ -709,7 +797,9 @@ def gguf_config(metadata: dict, *, arch: str, family: str, tie_embeddings: bool,
         ``rope.dimension_count`` or ``attention.value_length`` other than the head dim.
     """
     if metadata.get("general.architecture") != arch:
-        raise JaxkvError(f"GGUF architecture {metadata.get('general.architecture')!r} is not supported here: expected {arch!r}")
+        raise JaxkvError(
+            f"GGUF architecture {metadata.get('general.architecture')!r} is not supported here: expected {arch!r}"
+        )
 
     def get(key, default=None):
         value = metadata.get(f"{arch}.{key}", default)
@@ -729,12 +819,16 @@ def gguf_config(metadata: dict, *, arch: str, family: str, tie_embeddings: bool,
     for key, expected in checks.items():
         value = metadata.get(f"{arch}.{key}", expected)
         if value != expected:
-            raise JaxkvError(f"GGUF metadata {arch}.{key}={value!r} is not supported: expected {expected!r} (it changes the outputs)")
+            raise JaxkvError(
+                f"GGUF metadata {arch}.{key}={value!r} is not supported: expected {expected!r} (it changes the outputs)"
+            )
     theta = float(get("rope.freq_base", 10000.0))
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     factor = float(metadata.get(f"{arch}.rope.scaling.factor", metadata.get(f"{arch}.rope.scale_linear", 1.0)) or 1.0)
     if scaling not in ("none", "linear"):
-        raise JaxkvError(f"GGUF metadata {arch}.rope.scaling.type={scaling!r} is not supported: expected 'none' or 'linear'")
+        raise JaxkvError(
+            f"GGUF metadata {arch}.rope.scaling.type={scaling!r} is not supported: expected 'none' or 'linear'"
+        )
     rope = None
     if extra and "rope_freqs.weight" in extra:
         rope = Rope.with_factors(theta, head_dim, extra["rope_freqs.weight"])
@@ -763,12 +857,18 @@ def gguf_builder(build):
     """A GGUF :attr:`Format.config` from ``build(metadata, *, tie_embeddings, vocab_size, name, extra)``:
     tied when the file has no ``output.weight``, V from ``token_embd.weight`` when the
     metadata lacks it (``shapes``: tensor name -> shape in numpy order)."""
+
     def config(metadata: dict, shapes: dict, *, name: str, extra: dict | None = None):
         embed = shapes.get("token_embd.weight")
-        return build(metadata, tie_embeddings="output.weight" not in shapes,
-                     vocab_size=embed[0] if embed else None, name=name, extra=extra)
-    return config
+        return build(
+            metadata,
+            tie_embeddings="output.weight" not in shapes,
+            vocab_size=embed[0] if embed else None,
+            name=name,
+            extra=extra,
+        )
 
+    return config
 
 
 FAMILY = Family(
@@ -785,7 +885,14 @@ FAMILY = Family(
         architectures=HF_ARCHITECTURES,
         model_types=tuple(HF_MODEL_TYPES),
     ),
-    gguf=Format(config=gguf_builder(LlamaConfig.from_gguf), tensors=GGUF_TENSORS, extra=("rope_freqs.weight",), linear=LINEAR, interleaved=INTERLEAVED, architectures=("llama",)),
+    gguf=Format(
+        config=gguf_builder(LlamaConfig.from_gguf),
+        tensors=GGUF_TENSORS,
+        extra=("rope_freqs.weight",),
+        linear=LINEAR,
+        interleaved=INTERLEAVED,
+        architectures=("llama",),
+    ),
     llama2c=Format(config=LlamaConfig.from_llama2c, tensors=LLAMA2C_TENSORS, linear=LINEAR, interleaved=INTERLEAVED),
 )
 """The Llama family, as :mod:`jaxkv.io.registry` registers it."""

@@ -52,9 +52,20 @@ PHI3 = Family(
     weight_shapes=weight_shapes,
     head_axes={"wq": 2, "wk": 2, "wv": 2, "wo": 1},
     mlp_axes={"w_gate": 2, "w_up": 2, "w_down": 1},
-    hf=Format(config=phi3_from_hf, tensors=HF_TENSORS, linear=LINEAR, fused=HF_FUSED,
-              architectures=("Phi3ForCausalLM",), model_types=("phi3",)),
-    gguf=Format(config=gguf_builder(_phi3_from_gguf), tensors=GGUF_TENSORS, linear=LINEAR, fused=GGUF_FUSED,
-                architectures=("phi3",)),
+    hf=Format(
+        config=phi3_from_hf,
+        tensors=HF_TENSORS,
+        linear=LINEAR,
+        fused=HF_FUSED,
+        architectures=("Phi3ForCausalLM",),
+        model_types=("phi3",),
+    ),
+    gguf=Format(
+        config=gguf_builder(_phi3_from_gguf),
+        tensors=GGUF_TENSORS,
+        linear=LINEAR,
+        fused=GGUF_FUSED,
+        architectures=("phi3",),
+    ),
 )
 """Phi-3 / Phi-3.5 mini (4k context)."""

@@ -29,7 +29,10 @@ from jaxkv.models.llama import (
 HEAD_AXES = {"wq": 2, "wk": 2, "wv": 2, "wo": 1}
 MLP_AXES = {"w_gate": 2, "w_up": 2, "w_down": 1}
 GGUF_BIASES = {"bq": "blk.{i}.attn_q.bias", "bk": "blk.{i}.attn_k.bias", "bv": "blk.{i}.attn_v.bias"}
-HF_QK_NORMS = {"q_norm": "model.layers.{i}.self_attn.q_norm.weight", "k_norm": "model.layers.{i}.self_attn.k_norm.weight"}
+HF_QK_NORMS = {
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+}
 GGUF_QK_NORMS = {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight"}
 
 
@@ -59,6 +62,7 @@ def qwen3_from_hf(hf: dict, *, name: str = "hf") -> LlamaConfig:
 def _gguf(arch: str, **switches):
     def build(metadata, **kwargs):
         return gguf_config(metadata, arch=arch, family=arch, **kwargs, **switches)
+
     return gguf_builder(build)
 
 
@@ -69,10 +73,19 @@ QWEN2 = Family(
     weight_shapes=weight_shapes,
     head_axes=HEAD_AXES,
     mlp_axes=MLP_AXES,
-    hf=Format(config=qwen2_from_hf, tensors=HF_TENSORS, linear=LINEAR, architectures=("Qwen2ForCausalLM",),
-              model_types=("qwen2",)),
-    gguf=Format(config=_gguf("qwen2", attention_bias=True), tensors={**GGUF_TENSORS, **GGUF_BIASES}, linear=LINEAR,
-                architectures=("qwen2",)),
+    hf=Format(
+        config=qwen2_from_hf,
+        tensors=HF_TENSORS,
+        linear=LINEAR,
+        architectures=("Qwen2ForCausalLM",),
+        model_types=("qwen2",),
+    ),
+    gguf=Format(
+        config=_gguf("qwen2", attention_bias=True),
+        tensors={**GGUF_TENSORS, **GGUF_BIASES},
+        linear=LINEAR,
+        architectures=("qwen2",),
+    ),
 )
 """Qwen2 / Qwen2.5."""
 
@@ -83,10 +96,19 @@ QWEN3 = Family(
     weight_shapes=weight_shapes,
     head_axes=HEAD_AXES,
     mlp_axes=MLP_AXES,
-    hf=Format(config=qwen3_from_hf, tensors={**HF_TENSORS, **HF_QK_NORMS}, linear=LINEAR,
-              architectures=("Qwen3ForCausalLM",), model_types=("qwen3",)),
-    gguf=Format(config=_gguf("qwen3", qk_norm=True), tensors={**GGUF_TENSORS, **GGUF_QK_NORMS}, linear=LINEAR,
-                architectures=("qwen3",)),
+    hf=Format(
+        config=qwen3_from_hf,
+        tensors={**HF_TENSORS, **HF_QK_NORMS},
+        linear=LINEAR,
+        architectures=("Qwen3ForCausalLM",),
+        model_types=("qwen3",),
+    ),
+    gguf=Format(
+        config=_gguf("qwen3", qk_norm=True),
+        tensors={**GGUF_TENSORS, **GGUF_QK_NORMS},
+        linear=LINEAR,
+        architectures=("qwen3",),
+    ),
 )
 """Qwen3 (dense)."""
 

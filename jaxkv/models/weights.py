@@ -73,7 +73,9 @@ class _Held:
 
     def __getitem__(self, key):
         if key is not Ellipsis:
-            raise JaxkvError(f"{type(self).__name__}[{key!r}]: only [...] is supported (slice the leaves with jax.tree.map)")
+            raise JaxkvError(
+                f"{type(self).__name__}[{key!r}]: only [...] is supported (slice the leaves with jax.tree.map)"
+            )
         return self
 
     @property
@@ -285,7 +287,11 @@ def _dense(x, w, preferred_element_type):
         return x @ w.rows().T
     if isinstance(w, TransposedWeight):
         if w.t.dtype == x.dtype:
-            return x @ w.t.T if preferred_element_type is None else jnp.dot(x, w.t.T, preferred_element_type=preferred_element_type)
+            return (
+                x @ w.t.T
+                if preferred_element_type is None
+                else jnp.dot(x, w.t.T, preferred_element_type=preferred_element_type)
+            )
         return x.astype(jnp.float32) @ w.t.T.astype(jnp.float32)
     if w.dtype == x.dtype:
         return x @ w if preferred_element_type is None else jnp.dot(x, w, preferred_element_type=preferred_element_type)
@@ -306,9 +312,13 @@ def embed_lookup(table, tokens: jax.Array) -> jax.Array:
     if not isinstance(table, QuantizedWeight):
         return jnp.take(table, tokens, axis=0)
     ids = tokens.reshape(-1)
-    picked = QuantizedWeight(codes=jnp.take(table.codes, ids, axis=0), scales=jnp.take(table.scales, ids, axis=0),
-                             mins=None if table.mins is None else jnp.take(table.mins, ids, axis=0),
-                             n_in=table.n_in, format=table.format)
+    picked = QuantizedWeight(
+        codes=jnp.take(table.codes, ids, axis=0),
+        scales=jnp.take(table.scales, ids, axis=0),
+        mins=None if table.mins is None else jnp.take(table.mins, ids, axis=0),
+        n_in=table.n_in,
+        format=table.format,
+    )
     return picked.rows()[:, : table.n_in].reshape(*tokens.shape, table.n_in)
 
 

@@ -58,8 +58,11 @@ is a 500 (non-streaming) or an error object in the stream (then ``[DONE]``)."""
 
 MAX_STOP = 4  # OpenAI: "up to 4 sequences"
 ROLES = ("system", "user", "assistant")
-_STREAM_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                   (b"x-accel-buffering", b"no")]
+_STREAM_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 
 
 class ApiError(Exception):
@@ -73,8 +76,16 @@ class ApiError(Exception):
       headers: extra response headers (``Retry-After``).
     """
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
@@ -90,6 +101,7 @@ class ApiError(Exception):
 
 
 # ---- request body: JSON, fields ----------------------------------------------------------------
+
 
 class _NonFinite:
     """What a NaN, Infinity or -Infinity of the body parses to (refused by :func:`_check_finite`)."""
@@ -115,8 +127,9 @@ async def _read_json(request: Request) -> dict:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ApiError(400, f"request body is not valid UTF-8 (byte {e.start}): send JSON encoded as UTF-8",
-                       code="invalid_json") from None
+        raise ApiError(
+            400, f"request body is not valid UTF-8 (byte {e.start}): send JSON encoded as UTF-8", code="invalid_json"
+        ) from None
     try:
         body = json.loads(text, parse_constant=_NonFinite)
         if not isinstance(body, dict):
@@ -134,14 +147,22 @@ def _check_values(value, path: str) -> None:
     are not Unicode text (a lone surrogate such as ``"\\ud800"``) anywhere in ``value``."""
     if isinstance(value, _NonFinite) or (isinstance(value, float) and not math.isfinite(value)):
         shown = value.text if isinstance(value, _NonFinite) else "a number beyond a double's range"
-        raise ApiError(400, f"{path or 'body'}: {shown} is not valid JSON (numbers must be finite)",
-                       param=path or None, code="invalid_json")
+        raise ApiError(
+            400,
+            f"{path or 'body'}: {shown} is not valid JSON (numbers must be finite)",
+            param=path or None,
+            code="invalid_json",
+        )
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ApiError(400, f"{path}: not Unicode text (a lone surrogate \\u{ord(value[e.start]):04x} at "
-                                f"character {e.start})", param=path, code="invalid_value") from None
+            raise ApiError(
+                400,
+                f"{path}: not Unicode text (a lone surrogate \\u{ord(value[e.start]):04x} at character {e.start})",
+                param=path,
+                code="invalid_value",
+            ) from None
     elif isinstance(value, dict):
         for k, v in value.items():
             _check_values(k, path or "body")
@@ -229,8 +250,12 @@ def _refuse_unsupported(body: dict, *, chat: bool) -> None:
         if not _is_int(n):
             raise _bad("n", n, "1", "invalid_type")
         if n != 1:
-            raise ApiError(400, f"n: {n} is not supported: this server returns one choice per request (n=1)",
-                           param="n", code="unsupported_value")
+            raise ApiError(
+                400,
+                f"n: {n} is not supported: this server returns one choice per request (n=1)",
+                param="n",
+                code="unsupported_value",
+            )
     logit_bias = body.get("logit_bias")
     if logit_bias is not None:
         if not isinstance(logit_bias, dict):
@@ -261,8 +286,12 @@ def _stops(body: dict) -> tuple[str, ...]:
     if not isinstance(items, list):
         raise _bad("stop", stop, f"a string or an array of up to {MAX_STOP} strings", "invalid_type")
     if len(items) > MAX_STOP:
-        raise ApiError(400, f"stop: {len(items)} stop sequences given; at most {MAX_STOP} are allowed",
-                       param="stop", code="invalid_value")
+        raise ApiError(
+            400,
+            f"stop: {len(items)} stop sequences given; at most {MAX_STOP} are allowed",
+            param="stop",
+            code="invalid_value",
+        )
     for s in items:
         if not isinstance(s, str) or not s:
             raise _bad("stop", s, "non-empty strings")
@@ -312,15 +341,25 @@ def _common_fields(body: dict, *, chat: bool) -> dict:
         if not isinstance(options, dict):
             raise _bad("stream_options", options, "an object", "invalid_type")
         if not stream:
-            raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options",
-                           code="invalid_value")
+            raise ApiError(
+                400, "stream_options: only allowed when stream is true", param="stream_options", code="invalid_value"
+            )
         usage = options.get("include_usage")
         if usage is not None and not isinstance(usage, bool):
             raise _bad("stream_options.include_usage", usage, "a boolean", "invalid_type")
         include_usage = bool(usage)
-    return dict(max_tokens=max_tokens, max_tokens_field=max_tokens_field, temperature=temperature, top_k=top_k,
-                top_p=None if top_p == 1 else top_p, seed=seed, stop=_stops(body),
-                ignore_eos=_bool_field(body, "ignore_eos"), stream=stream, include_usage=include_usage)
+    return dict(
+        max_tokens=max_tokens,
+        max_tokens_field=max_tokens_field,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=None if top_p == 1 else top_p,
+        seed=seed,
+        stop=_stops(body),
+        ignore_eos=_bool_field(body, "ignore_eos"),
+        stream=stream,
+        include_usage=include_usage,
+    )
 
 
 def _messages(body: dict) -> list[dict]:
@@ -331,8 +370,9 @@ def _messages(body: dict) -> list[dict]:
     if not isinstance(messages, list):
         raise _bad("messages", messages, "an array of messages", "invalid_type")
     if not messages:
-        raise ApiError(400, "messages: an empty array; give at least one message", param="messages",
-                       code="invalid_value")
+        raise ApiError(
+            400, "messages: an empty array; give at least one message", param="messages", code="invalid_value"
+        )
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -340,8 +380,12 @@ def _messages(body: dict) -> list[dict]:
             raise _bad(where, m, 'an object {"role": ..., "content": ...}', "invalid_type")
         role = m.get("role")
         if role not in ROLES:
-            raise ApiError(400, f"{where}.role: {json.dumps(role)} is not supported: expected one of "
-                                f"{', '.join(ROLES)}", param=f"{where}.role", code="invalid_value")
+            raise ApiError(
+                400,
+                f"{where}.role: {json.dumps(role)} is not supported: expected one of {', '.join(ROLES)}",
+                param=f"{where}.role",
+                code="invalid_value",
+            )
         content = m.get("content")
         if isinstance(content, list):
             texts = []
@@ -349,9 +393,13 @@ def _messages(body: dict) -> list[dict]:
                 pwhere = f"{where}.content[{j}]"
                 if not isinstance(part, dict) or part.get("type") != "text":
                     shown = part.get("type") if isinstance(part, dict) else part
-                    raise ApiError(400, f"{pwhere}.type: {json.dumps(shown) if isinstance(shown, str) else _json_type(shown)} "
-                                        'is not supported: only text parts {"type": "text", "text": ...}',
-                                   param=f"{pwhere}.type", code="invalid_value")
+                    raise ApiError(
+                        400,
+                        f"{pwhere}.type: {json.dumps(shown) if isinstance(shown, str) else _json_type(shown)} "
+                        'is not supported: only text parts {"type": "text", "text": ...}',
+                        param=f"{pwhere}.type",
+                        code="invalid_value",
+                    )
                 if not isinstance(part.get("text"), str):
                     raise _bad(f"{pwhere}.text", part.get("text"), "a string", "invalid_type")
                 texts.append(part["text"])
@@ -375,8 +423,12 @@ def _completion_prompt(body: dict):
     if all(_is_int(t) for t in prompt):
         return prompt
     if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(400, f"prompt: {len(prompt)} prompts given; this server takes one prompt per request",
-                       param="prompt", code="unsupported_value")
+        raise ApiError(
+            400,
+            f"prompt: {len(prompt)} prompts given; this server takes one prompt per request",
+            param="prompt",
+            code="unsupported_value",
+        )
     if len(prompt) == 1 and isinstance(prompt[0], str):
         return prompt[0]
     if len(prompt) == 1 and isinstance(prompt[0], list) and prompt[0] and all(_is_int(t) for t in prompt[0]):
@@ -386,24 +438,29 @@ def _completion_prompt(body: dict):
 
 # ---- metrics ------------------------------------------------------------------------------------
 
+
 class _EngineCollector:
     """Gauges and counters read from ``engine.stats()`` at scrape time."""
 
-    GAUGES = (("queue_depth", "jaxkv_queue_depth", "requests waiting for a decode slot"),
-              ("busy_slots", "jaxkv_busy_slots", "decode slots serving a request"),
-              ("slots", "jaxkv_slots", "decode slots (requests decoded together)"),
-              ("kv_bytes", "jaxkv_kv_cache_bytes", "bytes of the batched KV cache"),
-              ("prefix_entries", "jaxkv_prefix_cache_entries", "prompts held by the prefix cache"),
-              ("prefix_bytes", "jaxkv_prefix_cache_bytes", "bytes held by the prefix cache"))
-    COUNTERS = (("prefix_hits", "jaxkv_prefix_cache_hits", "requests whose prompt started with a cached prefix"),
-                ("prefix_misses", "jaxkv_prefix_cache_misses", "requests whose prompt found no cached prefix"),
-                ("prompt_tokens_total", "jaxkv_prompt_tokens", "prompt tokens of submitted requests"),
-                ("cached_tokens_total", "jaxkv_cached_tokens", "prompt tokens taken from the prefix cache"),
-                ("completion_tokens_total", "jaxkv_completion_tokens", "tokens generated"),
-                ("prefill_tokens_total", "jaxkv_prefill_tokens", "prompt tokens prefilled (not from the prefix cache)"),
-                ("prefill_seconds_total", "jaxkv_prefill_seconds", "seconds spent prefilling"),
-                ("decode_steps_total", "jaxkv_decode_steps", "batched decode steps run"),
-                ("decode_seconds_total", "jaxkv_decode_seconds", "seconds spent in batched decode steps"))
+    GAUGES = (
+        ("queue_depth", "jaxkv_queue_depth", "requests waiting for a decode slot"),
+        ("busy_slots", "jaxkv_busy_slots", "decode slots serving a request"),
+        ("slots", "jaxkv_slots", "decode slots (requests decoded together)"),
+        ("kv_bytes", "jaxkv_kv_cache_bytes", "bytes of the batched KV cache"),
+        ("prefix_entries", "jaxkv_prefix_cache_entries", "prompts held by the prefix cache"),
+        ("prefix_bytes", "jaxkv_prefix_cache_bytes", "bytes held by the prefix cache"),
+    )
+    COUNTERS = (
+        ("prefix_hits", "jaxkv_prefix_cache_hits", "requests whose prompt started with a cached prefix"),
+        ("prefix_misses", "jaxkv_prefix_cache_misses", "requests whose prompt found no cached prefix"),
+        ("prompt_tokens_total", "jaxkv_prompt_tokens", "prompt tokens of submitted requests"),
+        ("cached_tokens_total", "jaxkv_cached_tokens", "prompt tokens taken from the prefix cache"),
+        ("completion_tokens_total", "jaxkv_completion_tokens", "tokens generated"),
+        ("prefill_tokens_total", "jaxkv_prefill_tokens", "prompt tokens prefilled (not from the prefix cache)"),
+        ("prefill_seconds_total", "jaxkv_prefill_seconds", "seconds spent prefilling"),
+        ("decode_steps_total", "jaxkv_decode_steps", "batched decode steps run"),
+        ("decode_seconds_total", "jaxkv_decode_seconds", "seconds spent in batched decode steps"),
+    )
 
     def __init__(self, engine):
         self.engine = engine
@@ -426,22 +483,32 @@ class _Metrics:
 
     def __init__(self, engine):
         self.registry = CollectorRegistry()
-        self.requests = Counter("jaxkv_requests", "HTTP requests to /v1/* by response status", ["status"],
-                                registry=self.registry)
-        self.finished = Counter("jaxkv_finished_requests", "requests the engine ended, by its finish reason",
-                                ["reason"], registry=self.registry)
-        self.ttft = Histogram("jaxkv_time_to_first_token_seconds",
-                              "seconds from a request's arrival to its first generated token",
-                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120),
-                              registry=self.registry)
-        self.itl = Histogram("jaxkv_inter_token_latency_seconds",
-                             "seconds between generated tokens of a request (a block of k tokens: its gap / k, k times)",
-                             buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5),
-                             registry=self.registry)
+        self.requests = Counter(
+            "jaxkv_requests", "HTTP requests to /v1/* by response status", ["status"], registry=self.registry
+        )
+        self.finished = Counter(
+            "jaxkv_finished_requests",
+            "requests the engine ended, by its finish reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "jaxkv_time_to_first_token_seconds",
+            "seconds from a request's arrival to its first generated token",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "jaxkv_inter_token_latency_seconds",
+            "seconds between generated tokens of a request (a block of k tokens: its gap / k, k times)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(engine))
 
 
 # ---- one request's events -----------------------------------------------------------------------
+
 
 class _Call:
     """A submitted request whose events (from the engine's thread) arrive on an asyncio queue."""
@@ -510,9 +577,16 @@ class _CallResponse:
                 except ApiError as e:  # the engine ended the request with an error
                     await e.response()(scope, receive, send)
                     return
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                        ],
+                    }
+                )
                 await send({"type": "http.response.body", "body": body, "more_body": False})
         except OSError:  # the client went away mid-send
             pass
@@ -527,12 +601,16 @@ def _sse(obj) -> bytes:
 
 
 def _usage(event) -> dict:
-    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-            "total_tokens": event.prompt_tokens + event.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": event.cached_tokens}}
+    return {
+        "prompt_tokens": event.prompt_tokens,
+        "completion_tokens": event.completion_tokens,
+        "total_tokens": event.prompt_tokens + event.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": event.cached_tokens},
+    }
 
 
 # ---- the app ------------------------------------------------------------------------------------
+
 
 class _Shutdown:
     """``engine.shutdown(timeout)`` once, in a thread: begun by a signal or the lifespan's end."""
@@ -551,14 +629,21 @@ class _Shutdown:
         up to the timeout, then end with finish reason ``interrupted``."""
         with self.lock:
             if self.thread is None:
-                self.thread = threading.Thread(target=self.engine.shutdown, args=(self.timeout,),
-                                               name="jaxkv-serve-shutdown", daemon=True)
+                self.thread = threading.Thread(
+                    target=self.engine.shutdown, args=(self.timeout,), name="jaxkv-serve-shutdown", daemon=True
+                )
                 self.thread.start()
             return self.thread
 
 
-def create_app(engine, *, model_name: str, api_key: str | None = None, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-               shutdown_timeout: float = 10.0) -> Starlette:
+def create_app(
+    engine,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    shutdown_timeout: float = 10.0,
+) -> Starlette:
     """The OpenAI-compatible ASGI app serving ``engine``.
 
     The caller starts the engine (``engine.start()``, e.g. in a thread while the app already
@@ -593,8 +678,12 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, default_m
         if not isinstance(model, str):
             raise _bad("model", model, "a string", "invalid_type")
         if model != model_name:
-            raise ApiError(404, f"The model `{model}` does not exist: this server serves `{model_name}`",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist: this server serves `{model_name}`",
+                param="model",
+                code="model_not_found",
+            )
 
     def encode_messages(messages: list[dict]) -> list[int]:
         text = tokenizer.apply_chat_template(messages)
@@ -607,8 +696,12 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, default_m
         if chat:
             messages, prompt_field = _messages(body), "messages"
             if tokenizer.chat_template is None:
-                raise ApiError(400, f"model `{model_name}` has no chat template: use /v1/completions with a prompt",
-                               param="messages", code="model_not_supported")
+                raise ApiError(
+                    400,
+                    f"model `{model_name}` has no chat template: use /v1/completions with a prompt",
+                    param="messages",
+                    code="model_not_supported",
+                )
             try:
                 ids = await run_in_threadpool(encode_messages, messages)
             except JaxkvError as e:
@@ -623,16 +716,25 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, default_m
             else:
                 bad = next((t for t in prompt if not 0 <= t < vocab), None)
                 if bad is not None:
-                    raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary [0, {vocab})",
-                                   param="prompt", code="invalid_value")
+                    raise ApiError(
+                        400,
+                        f"prompt: token id {bad} is outside the vocabulary [0, {vocab})",
+                        param="prompt",
+                        code="invalid_value",
+                    )
                 ids = list(prompt)
         if not ids:
             raise ApiError(400, f"{prompt_field}: the prompt encodes to no tokens", param=prompt_field)
         if token_limit is not None and len(ids) >= token_limit:
             what = "messages are" if chat else "prompt is"
-            raise ApiError(400, f"This server's cache holds {token_limit} tokens per request (prompt and reply); "
-                                f"the {what} {len(ids)} tokens. Shorten the prompt, or serve with a larger (or a "
-                                "bounded, StreamingLLM) cache.", param=prompt_field, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"This server's cache holds {token_limit} tokens per request (prompt and reply); "
+                f"the {what} {len(ids)} tokens. Shorten the prompt, or serve with a larger (or a "
+                "bounded, StreamingLLM) cache.",
+                param=prompt_field,
+                code="context_length_exceeded",
+            )
         return _Parsed(prompt_ids=ids, prompt_field=prompt_field, **fields)
 
     def submit(p: _Parsed, arrived: float) -> _Call:
@@ -643,18 +745,30 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, default_m
                 max_tokens = max(1, min(max_tokens, token_limit - len(p.prompt_ids)))
         seed = p.seed if p.seed is not None else (secrets.randbelow(SEED_LIMIT) if p.temperature > 0 else 0)
         try:
-            params = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                    seed=seed, stop=p.stop, ignore_eos=p.ignore_eos)
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=p.temperature,
+                top_k=p.top_k,
+                top_p=p.top_p,
+                seed=seed,
+                stop=p.stop,
+                ignore_eos=p.ignore_eos,
+            )
             return _Call(engine, p.prompt_ids, params, metrics, arrived)
         except QueueFullError as e:
-            raise ApiError(429, f"the server is busy: {e}",
-                           code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
+            raise ApiError(
+                429, f"the server is busy: {e}", code="rate_limit_exceeded", headers={"Retry-After": "1"}
+            ) from None
         except EngineStopped:
             raise ApiError(503, "the server is shutting down", code="server_shutting_down") from None
         except JaxkvError as e:
             too_long = p.max_tokens is not None and token_limit is not None
-            raise ApiError(400, str(e), param=p.max_tokens_field if too_long else p.prompt_field,
-                           code="context_length_exceeded" if too_long else None) from None
+            raise ApiError(
+                400,
+                str(e),
+                param=p.max_tokens_field if too_long else p.prompt_field,
+                code="context_length_exceeded" if too_long else None,
+            ) from None
 
     async def completion(request: Request, *, chat: bool):
         arrived = time.perf_counter()
@@ -663,13 +777,22 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, default_m
         if shutdown.begun:
             raise ApiError(503, "the server is shutting down", code="server_shutting_down")
         if not engine.ready:
-            raise ApiError(503, "the model is loading (warming up); retry shortly", code="model_loading",
-                           headers={"Retry-After": "1"})
+            raise ApiError(
+                503,
+                "the model is loading (warming up); retry shortly",
+                code="model_loading",
+                headers={"Retry-After": "1"},
+            )
         call = submit(p, arrived)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         obj = "chat.completion" if chat else "text_completion"
-        base = {"id": rid, "object": obj + (".chunk" if chat and p.stream else ""), "created": int(time.time()),
-                "model": model_name, "system_fingerprint": None}
+        base = {
+            "id": rid,
+            "object": obj + (".chunk" if chat and p.stream else ""),
+            "created": int(time.time()),
+            "model": model_name,
+            "system_fingerprint": None,
+        }
         return _CallResponse(call, (stream_chunks if p.stream else whole)(call, base, p, chat), stream=p.stream)
 
     async def whole(call: _Call, base: dict, p: _Parsed, chat: bool) -> AsyncIterator[bytes]:
@@ -680,11 +803,15 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, default_m
         if last.finish_reason == "error":
             raise ApiError(500, f"the engine failed while serving this request: {last.error}")
         text = "".join(texts)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}} if chat else \
-            {"index": 0, "text": text}
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}}
+            if chat
+            else {"index": 0, "text": text}
+        )
         choice.update(logprobs=None, finish_reason=FINISH_REASONS.get(last.finish_reason, "stop"))
-        yield json.dumps({**base, "choices": [choice], "usage": _usage(last)}, ensure_ascii=False,
-                         separators=(",", ":")).encode()
+        yield json.dumps(
+            {**base, "choices": [choice], "usage": _usage(last)}, ensure_ascii=False, separators=(",", ":")
+        ).encode()
 
     async def stream_chunks(call: _Call, base: dict, p: _Parsed, chat: bool) -> AsyncIterator[bytes]:
         extra = {"usage": None} if p.include_usage else {}
@@ -731,8 +858,12 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, default_m
     async def model(request: Request):
         name = request.path_params["model"]
         if name != model_name:
-            raise ApiError(404, f"The model `{name}` does not exist: this server serves `{model_name}`",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist: this server serves `{model_name}`",
+                param="model",
+                code="model_not_found",
+            )
         return JSONResponse(model_card())
 
     async def health(request: Request):
@@ -767,12 +898,14 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, default_m
         await run_in_threadpool(shutdown.begin().join)
 
     app = Starlette(
-        routes=[Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-                Route("/v1/completions", completions, methods=["POST"]),
-                Route("/v1/models", models, methods=["GET"]),
-                Route("/v1/models/{model:path}", model, methods=["GET"]),
-                Route("/health", health, methods=["GET"]),
-                Route("/metrics", metrics_endpoint, methods=["GET"])],
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics_endpoint, methods=["GET"]),
+        ],
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
     )
@@ -804,9 +937,13 @@ class _ApiMiddleware:
         if self.expected is not None:
             given = dict(scope["headers"]).get(b"authorization")
             if given is None or not hmac.compare_digest(given, self.expected):
-                error = ApiError(401, "You didn't provide an API key: send `Authorization: Bearer YOUR_KEY`"
-                                 if given is None else "Incorrect API key provided", code="invalid_api_key",
-                                 headers={"WWW-Authenticate": "Bearer"})
+                error = ApiError(
+                    401,
+                    "You didn't provide an API key: send `Authorization: Bearer YOUR_KEY`"
+                    if given is None
+                    else "Incorrect API key provided",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 return await error.response()(scope, receive, counting_send)
         await self.app(scope, receive, counting_send)
-

@@ -202,9 +202,17 @@ class Request:
         self.token_ids.extend(token_ids)
         self.text += text
         self.finish_reason = finish_reason
-        self._on_event(Event(token_ids=token_ids, text=text, finish_reason=finish_reason,
-                             prompt_tokens=len(self.prompt_ids), cached_tokens=self.cached_tokens,
-                             completion_tokens=len(self.token_ids), error=error))
+        self._on_event(
+            Event(
+                token_ids=token_ids,
+                text=text,
+                finish_reason=finish_reason,
+                prompt_tokens=len(self.prompt_ids),
+                cached_tokens=self.cached_tokens,
+                completion_tokens=len(self.token_ids),
+                error=error,
+            )
+        )
 
 
 @dataclasses.dataclass
@@ -250,9 +258,18 @@ class Engine:
       JaxkvError: bad sizes, a model without a tokenizer, a cache that does not fit memory.
     """
 
-    def __init__(self, model: LoadedModel, spec: CacheSpec | LayerSpecs, *, slots: int = 4, max_queue: int = 64,
-                 prefix_cache_bytes: int = 256 << 20, prefill_chunk: int = loop.PREFILL_CHUNK, block: int = 8,
-                 mesh=None):
+    def __init__(
+        self,
+        model: LoadedModel,
+        spec: CacheSpec | LayerSpecs,
+        *,
+        slots: int = 4,
+        max_queue: int = 64,
+        prefix_cache_bytes: int = 256 << 20,
+        prefill_chunk: int = loop.PREFILL_CHUNK,
+        block: int = 8,
+        mesh=None,
+    ):
         if model.tokenizer is None:
             raise JaxkvError("Engine: the model has no tokenizer (give one with load_model(..., tokenizer=PATH))")
         self.slots = check_int("slots", slots, 1, INT32_LIMIT)
@@ -263,8 +280,10 @@ class Engine:
         self.block = check_int("block", block, 1, 256)
         specs = getattr(spec, "specs", (spec,))
         if any(s.policy.retention is not None and s.policy.retention.observes_prompt for s in specs):
-            raise JaxkvError("Engine: keep_score=snapkv observes each whole prompt before caching it, which chunks "
-                             "interleaved with decoding cannot do: serve with h2o, tova or recent")
+            raise JaxkvError(
+                "Engine: keep_score=snapkv observes each whole prompt before caching it, which chunks "
+                "interleaved with decoding cannot do: serve with h2o, tova or recent"
+            )
         self.mesh = mesh
         self.model = model if mesh is None else parallel.shard_model(model, mesh)
         self.spec = loop.model_cache_spec(model.config, spec)
@@ -294,8 +313,9 @@ class Engine:
         self.kv_bytes = tree_bytes(self._cache)
 
     # ---- the public API --------------------------------------------------------------------------
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
-               on_event: Callable[[Event], None] | None = None) -> Request:
+    def submit(
+        self, prompt_ids: Sequence[int], params: SamplingParams, on_event: Callable[[Event], None] | None = None
+    ) -> Request:
         """Queue a request; its events go to ``on_event`` (called from the engine's thread) or,
         without one, to :meth:`Request.events`.
 
@@ -316,15 +336,19 @@ class Engine:
         check_token_ids(ids, self.model.config.vocab_size)
         limit = self.spec.token_limit
         if limit is not None and len(ids) + params.max_tokens > limit:
-            raise JaxkvError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} is beyond the cache's "
-                             f"{limit} tokens (max_len): ask for at most {max(limit - len(ids), 0)} tokens, or serve "
-                             "with a bounded cache (a StreamingLLM window)")
+            raise JaxkvError(
+                f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} is beyond the cache's "
+                f"{limit} tokens (max_len): ask for at most {max(limit - len(ids), 0)} tokens, or serve "
+                "with a bounded cache (a StreamingLLM window)"
+            )
         request = Request(ids, params, on_event)
         with self._wake:
             if self._stopping:
                 raise EngineStopped("the server is shutting down: no new requests")
             if len(self._queue) >= self.max_queue + self._free_slots():
-                raise QueueFullError(f"{len(self._queue)} requests are waiting (max_queue={self.max_queue}): retry later")
+                raise QueueFullError(
+                    f"{len(self._queue)} requests are waiting (max_queue={self.max_queue}): retry later"
+                )
             self._queue.append(request)
             self._wake.notify()
         return request
@@ -354,13 +378,23 @@ class Engine:
         ``prompt_tokens_total``, ``cached_tokens_total``, ``completion_tokens_total``,
         ``decode_steps_total``, ``decode_seconds_total``, ``prefill_tokens_total``, ``prefill_seconds_total``."""
         c = self.counts
-        return dict(queue_depth=len(self._queue), busy_slots=sum(r is not None for r in self._rows), slots=self.slots,
-                    kv_bytes=self.kv_bytes, prefix_hits=self.prefix.hits, prefix_misses=self.prefix.misses,
-                    prefix_bytes=self.prefix.nbytes, prefix_entries=len(self.prefix),
-                    prompt_tokens_total=c["prompt"], cached_tokens_total=c["cached"],
-                    completion_tokens_total=c["completion"], decode_steps_total=c["steps"],
-                    decode_seconds_total=c["decode_s"], prefill_tokens_total=c["prefilled"],
-                    prefill_seconds_total=c["prefill_s"])
+        return dict(
+            queue_depth=len(self._queue),
+            busy_slots=sum(r is not None for r in self._rows),
+            slots=self.slots,
+            kv_bytes=self.kv_bytes,
+            prefix_hits=self.prefix.hits,
+            prefix_misses=self.prefix.misses,
+            prefix_bytes=self.prefix.nbytes,
+            prefix_entries=len(self.prefix),
+            prompt_tokens_total=c["prompt"],
+            cached_tokens_total=c["cached"],
+            completion_tokens_total=c["completion"],
+            decode_steps_total=c["steps"],
+            decode_seconds_total=c["decode_s"],
+            prefill_tokens_total=c["prefilled"],
+            prefill_seconds_total=c["prefill_s"],
+        )
 
     def warm_up(self) -> float:
         """Compile every program the engine runs: prefill chunks of every length (each run once,
@@ -368,13 +402,14 @@ class Engine:
         step, so that no request compiles anything; returns the seconds it took. Sets :attr:`ready`."""
         t0 = time.perf_counter()
         cap = loop.chunk_len(self.spec, INT32_LIMIT, self.prefill_chunk)
-        lengths = [2 ** k for k in range(1, cap.bit_length()) if 2 ** k < cap] + [cap, cap + 1]
+        lengths = [2**k for k in range(1, cap.bit_length()) if 2**k < cap] + [cap, cap + 1]
         limit = self.spec.token_limit
         with loop.count_compiles("serve"):
             for n in [n for n in lengths if limit is None or n < limit]:
                 row, logits = loop.prefill(self.model, self._new_row(), [[0] * n], chunk=self.prefill_chunk)
-            self._cache, self._logits = _insert(self._cache, self._logits, _copy(row), logits, np.int32(0),
-                                                axes=self._axes)
+            self._cache, self._logits = _insert(
+                self._cache, self._logits, _copy(row), logits, np.int32(0), axes=self._axes
+            )
             self._extract(0)
             self._decode(1)
         self.ready = True
@@ -447,8 +482,9 @@ class Engine:
         request.cached_tokens = held
         self.counts["prompt"] += len(ids)
         self.counts["cached"] += held
-        return _Prefill(request=request, slot=slot, segments=segments, done=list(ids[:held]), cache=cache,
-                        logits=logits)
+        return _Prefill(
+            request=request, slot=slot, segments=segments, done=list(ids[:held]), cache=cache, logits=logits
+        )
 
     def _prefill_one(self) -> bool:
         """One compiled prefill chunk of the oldest admitted request (or its insertion)."""
@@ -483,8 +519,9 @@ class Engine:
         """Write a prefilled one-row cache into its slot and start decoding there."""
         request, slot, p = job.request, job.slot, job.request.params
         self.counts["prefilled"] += len(request.prompt_ids) - request.cached_tokens
-        self._cache, self._logits = _insert(self._cache, self._logits, job.cache, job.logits, np.int32(slot),
-                                            axes=self._axes)
+        self._cache, self._logits = _insert(
+            self._cache, self._logits, job.cache, job.logits, np.int32(slot), axes=self._axes
+        )
         self._active[slot] = True
         self._temperature[slot] = p.temperature
         self._top_k[slot] = min(p.top_k or self.model.config.vocab_size, self.model.config.vocab_size)
@@ -542,10 +579,27 @@ class Engine:
             remaining[slot] = self._rows[slot].request.params.max_tokens - len(self._rows[slot].request.token_ids)
         ignore_eos = np.array([isinstance(r, _Row) and r.request.params.ignore_eos for r in self._rows])
         self._cache, self._logits, tokens = _decode_step(
-            self._graphdef, self._state, self._cache, self._logits,
-            *(self._placed(x, rows=True) for x in (self._active, self._temperature, self._top_k, self._top_p,
-                                                  self._keys, self._steps, remaining, ignore_eos)),
-            self._placed(np.int32(steps)), block=self.block, eos_id=self.model.tokenizer.eos_id)
+            self._graphdef,
+            self._state,
+            self._cache,
+            self._logits,
+            *(
+                self._placed(x, rows=True)
+                for x in (
+                    self._active,
+                    self._temperature,
+                    self._top_k,
+                    self._top_p,
+                    self._keys,
+                    self._steps,
+                    remaining,
+                    ignore_eos,
+                )
+            ),
+            self._placed(np.int32(steps)),
+            block=self.block,
+            eos_id=self.model.tokenizer.eos_id,
+        )
         return loop.to_host(tokens)
 
     def _release(self, slot: int, reason: str, error: str | None = None) -> None:
@@ -595,18 +649,44 @@ class Engine:
 def _batch_axes(config, spec) -> tuple[int, ...]:
     """Per leaf of a model's cache (flattened), the axis of its rows B: where a 2-row and a
     1-row cache's shapes differ."""
-    one, two = (jax.tree.leaves(jax.eval_shape(lambda b=b: KVCache._empty(loop.model_cache_spec(config, spec),
-                                                                         batch=b, n_layers=config.n_layers,
-                                                                         n_kv_heads=config.n_kv_heads,
-                                                                         head_dim=config.head_dim)))
-                for b in (1, 2))
+    one, two = (
+        jax.tree.leaves(
+            jax.eval_shape(
+                lambda b=b: KVCache._empty(
+                    loop.model_cache_spec(config, spec),
+                    batch=b,
+                    n_layers=config.n_layers,
+                    n_kv_heads=config.n_kv_heads,
+                    head_dim=config.head_dim,
+                )
+            )
+        )
+        for b in (1, 2)
+    )
     return tuple(next(i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n) for a, b in zip(one, two))
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("block", "eos_id"),
-                   donate_argnames=("cache", "logits"))
-def _decode_step(graphdef, state, cache, logits, active, temperature, top_k, top_p, keys, step, remaining, ignore_eos,
-                 steps, *, block, eos_id):
+@functools.partial(
+    jax.jit, static_argnums=(0,), static_argnames=("block", "eos_id"), donate_argnames=("cache", "logits")
+)
+def _decode_step(
+    graphdef,
+    state,
+    cache,
+    logits,
+    active,
+    temperature,
+    top_k,
+    top_p,
+    keys,
+    step,
+    remaining,
+    ignore_eos,
+    steps,
+    *,
+    block,
+    eos_id,
+):
     """Up to ``steps: int32[]`` (at most ``block``) decode steps over every row, in one
     ``lax.while_loop`` (a traced count: one program for any count), the model step under a
     ``lax.cond`` as in :func:`jaxkv.decode.loop.decode_block` (without it, SmolLM2 int8 on a
@@ -636,8 +716,9 @@ def _decode_step(graphdef, state, cache, logits, active, temperature, top_k, top
         return i + 1, cache, logits, active & ~ended, step, remaining, out
 
     out = jnp.full((active.shape[0], block), -1, jnp.int32)
-    _, cache, logits, *_, out = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, logits, active, step, remaining,
-                                                                 out))
+    _, cache, logits, *_, out = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), cache, logits, active, step, remaining, out)
+    )
     return cache, logits, out
 
 
@@ -647,8 +728,9 @@ def _insert(cache, logits, row, row_logits, slot, *, axes):
     (JetStream's insert): every leaf's row axis (``axes``, per flattened leaf) updated in place."""
     leaves, tree = jax.tree.flatten(cache)
     rows = jax.tree.leaves(row)
-    leaves = [jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=a)
-              for x, r, a in zip(leaves, rows, axes)]
+    leaves = [
+        jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=a) for x, r, a in zip(leaves, rows, axes)
+    ]
     return jax.tree.unflatten(tree, leaves), jax.lax.dynamic_update_slice_in_dim(logits, row_logits, slot, axis=0)
 
 

@@ -71,8 +71,9 @@ class PrefixStore:
         None; a hit becomes the most recently used entry."""
         tokens = tuple(tokens)
         with self._lock:
-            best = max((k for k in self._entries if len(k) <= len(tokens) and tokens[: len(k)] == k),
-                       key=len, default=None)
+            best = max(
+                (k for k in self._entries if len(k) <= len(tokens) and tokens[: len(k)] == k), key=len, default=None
+            )
             if best is None:
                 self.misses += 1
                 return None

@@ -42,19 +42,40 @@ from jaxkv.io import load_model
 
 FULL = dict(
     # section 1
-    st_tokens=8192, sm_tokens=4096, cache=256, sink=4,
-    st_rec_stride=8, sm_rec_stride=16, st_rec_batch=32, sm_rec_batch=8,
+    st_tokens=8192,
+    sm_tokens=4096,
+    cache=256,
+    sink=4,
+    st_rec_stride=8,
+    sm_rec_stride=16,
+    st_rec_batch=32,
+    sm_rec_batch=8,
     # section 2
-    sinks=(0, 1, 2, 4, 8), st_sink_tokens=8192, sm_sink_tokens=4096,
+    sinks=(0, 1, 2, 4, 8),
+    st_sink_tokens=8192,
+    sm_sink_tokens=4096,
     # section 3
-    kivi_modes=("int8", "int4", "int2"), groups=(32, 64, 128),
-    st_kivi_segments=16, st_kivi_len=512, sm_kivi_tokens=1024, ablation_group=32, ablation_bits=(4, 2),
+    kivi_modes=("int8", "int4", "int2"),
+    groups=(32, 64, 128),
+    st_kivi_segments=16,
+    st_kivi_len=512,
+    sm_kivi_tokens=1024,
+    ablation_group=32,
+    ablation_bits=(4, 2),
     # section 5
     greedy_new=100,
 )
 QUICK = dict(
-    FULL, st_tokens=1024, sm_tokens=320, st_rec_stride=64, sm_rec_stride=32, st_sink_tokens=1024,
-    sm_sink_tokens=320, st_kivi_segments=2, sm_kivi_tokens=256, greedy_new=10,
+    FULL,
+    st_tokens=1024,
+    sm_tokens=320,
+    st_rec_stride=64,
+    sm_rec_stride=32,
+    st_sink_tokens=1024,
+    sm_sink_tokens=320,
+    st_kivi_segments=2,
+    sm_kivi_tokens=256,
+    greedy_new=10,
 )
 SECTIONS = (1, 2, 3, 4, 5)
 MODEL_NAMES = ("stories260K", "SmolLM2-135M")
@@ -81,8 +102,9 @@ class Timer:
         return self
 
     def __exit__(self, *exc):
-        self.sink[self.name] = dict(wall_s=round(time.perf_counter() - self.t, 1),
-                                    cpu_s=round(time.process_time() - self.c, 1))
+        self.sink[self.name] = dict(
+            wall_s=round(time.perf_counter() - self.t, 1), cpu_s=round(time.process_time() - self.c, 1)
+        )
 
 
 def machine() -> dict:
@@ -103,11 +125,20 @@ def machine() -> dict:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
-    return dict(cpu=cpu, logical_cpus=os.cpu_count(), usable_cpus=usable, platform=platform.platform(),
-                python=platform.python_version(), jax=jax.__version__, jaxlib=jaxlib.__version__,
-                flax=flax.__version__, numpy=np.__version__, backend=jax.default_backend(),
-                devices=[str(d) for d in jax.devices()],
-                load_avg_start=[round(x, 2) for x in os.getloadavg()])
+    return dict(
+        cpu=cpu,
+        logical_cpus=os.cpu_count(),
+        usable_cpus=usable,
+        platform=platform.platform(),
+        python=platform.python_version(),
+        jax=jax.__version__,
+        jaxlib=jaxlib.__version__,
+        flax=flax.__version__,
+        numpy=np.__version__,
+        backend=jax.default_backend(),
+        devices=[str(d) for d in jax.devices()],
+        load_avg_start=[round(x, 2) for x in os.getloadavg()],
+    )
 
 
 def encode_prefix(model, text: pathlib.Path, n: int) -> list[int]:
@@ -175,8 +206,11 @@ def section2(name, model, ids, cfg, res, timings):
     table = {}
     for sink in cfg["sinks"]:
         for positions in ("absolute", "cache"):
-            reuse = {(0, "absolute"): "window", (cfg["sink"], "absolute"): "sink_absolute",
-                     (cfg["sink"], "cache"): "sink_cache"}.get((sink, positions))
+            reuse = {
+                (0, "absolute"): "window",
+                (cfg["sink"], "absolute"): "sink_absolute",
+                (cfg["sink"], "cache"): "sink_cache",
+            }.get((sink, positions))
             if reuse in s1 and len(s1[reuse]) >= n:  # a streamed NLL is causal: its prefix is the shorter run
                 nll, how = s1[reuse][:n], f"section 1 ({reuse}), first {n} tokens"
             elif sink == 0 and positions == "cache" and name != "stories260K" and "window" in s1:
@@ -187,8 +221,9 @@ def section2(name, model, ids, cfg, res, timings):
                 with Timer(timings, f"{name} s2 sink{sink} {positions}"):
                     nll = token_nll(model, ids, cache=spec)
                 how = "run"
-            table[f"{sink}/{positions}"] = dict(sink=sink, positions=positions, ppl=perplexity(nll),
-                                                ppl_past=perplexity(nll[cfg["cache"]:]), how=how)
+            table[f"{sink}/{positions}"] = dict(
+                sink=sink, positions=positions, ppl=perplexity(nll), ppl_past=perplexity(nll[cfg["cache"] :]), how=how
+            )
     res[name]["s2"] = dict(tokens=n, cache=cfg["cache"], table=table)
 
 
@@ -199,7 +234,7 @@ def kivi_inputs(name, model, text, cfg):
         seg, count = cfg["st_kivi_len"], cfg["st_kivi_segments"]
         ids = encode_prefix(model, text, 1 + count * (seg - 1))
         bos = ids[0]
-        return [[bos] + ids[1 + i * (seg - 1): 1 + (i + 1) * (seg - 1)] for i in range(count)]
+        return [[bos] + ids[1 + i * (seg - 1) : 1 + (i + 1) * (seg - 1)] for i in range(count)]
     return [encode_prefix(model, text, cfg["sm_kivi_tokens"])]
 
 
@@ -237,14 +272,23 @@ def section3(name, model, text, cfg, res, timings):
             for k_how in ("channel", "token"):
                 for v_how in ("token", "channel"):
                     log(f"{name}: ablation int{bits} K per-{k_how} V per-{v_how}")
-                    hook = FakeQuantKV(keys=k_how, values=v_how, bits=bits, group_size=g,
-                                       rope_theta=model.config.rope_theta)
+                    hook = FakeQuantKV(
+                        keys=k_how, values=v_how, bits=bits, group_size=g, rope_theta=model.config.rope_theta
+                    )
                     nll = teacher_forced_nll(model, batch, kv_hook=hook)
                     abl[f"int{bits}/K-{k_how}/V-{v_how}"] = dict(bits=bits, k=k_how, v=v_how, ppl=perplexity(nll))
     for r in abl.values():
         r["vs_fp32"] = r["ppl"] / perplexity(base) - 1
-    res[name]["s3"] = dict(rows=len(rows), row_len=t, scored=scored, cache=cache, ablation=abl, ablation_group=g,
-                           ablation_fp32_ppl=perplexity(base), ablation_check_max_abs=check)
+    res[name]["s3"] = dict(
+        rows=len(rows),
+        row_len=t,
+        scored=scored,
+        cache=cache,
+        ablation=abl,
+        ablation_group=g,
+        ablation_fp32_ppl=perplexity(base),
+        ablation_check_max_abs=check,
+    )
 
 
 def section4(res, timings):
@@ -255,20 +299,32 @@ def section4(res, timings):
         for label, shape in (("prior", PRIOR_SHAPE), ("SmolLM2-135M", tables.SMOLLM2_SHAPE)):
             exact = [n for n in MEM_TOKENS if (n - r) % g == 0]
             rows = tables.memory_rows(tokens=tuple(exact), modes=MEM_MODES, shape=shape)
-            table = {f"{x['tokens']}/{x['mode']}": dict(bytes=x["bytes"], leaf_bytes=x["leaf_bytes"],
-                                                        capacity=x["capacity"], groups=x["groups"]) for x in rows}
+            table = {
+                f"{x['tokens']}/{x['mode']}": dict(
+                    bytes=x["bytes"], leaf_bytes=x["leaf_bytes"], capacity=x["capacity"], groups=x["groups"]
+                )
+                for x in rows
+            }
             for n in MEM_TOKENS:
                 if n in exact:
                     continue
                 # W = n - R is not a multiple of G: the nearest KIVI cache holding n tokens has W = G*floor((n-R)/G)+G
                 bf16 = tables.allocated_report(tables.memory_spec("bf16", n), shape=shape)[0]
-                table[f"{n}/bf16"] = dict(bytes=bf16.allocated_bytes, capacity=bf16.capacity, groups=dict(bf16.allocated))
+                table[f"{n}/bf16"] = dict(
+                    bytes=bf16.allocated_bytes, capacity=bf16.capacity, groups=dict(bf16.allocated)
+                )
                 w = g * math.ceil((n - r) / g)
                 for mode in MEM_MODES[1:]:
-                    rep = tables.filled_report(CacheSpec(window=w, kv_quantize=mode, group_size=g, residual=r), n,
-                                               shape=shape)
-                    table[f"{n}/{mode}"] = dict(bytes=rep.allocated_bytes, live=rep.live_bytes, capacity=rep.capacity,
-                                                stored=rep.tokens_stored[0], groups=dict(rep.allocated))
+                    rep = tables.filled_report(
+                        CacheSpec(window=w, kv_quantize=mode, group_size=g, residual=r), n, shape=shape
+                    )
+                    table[f"{n}/{mode}"] = dict(
+                        bytes=rep.allocated_bytes,
+                        live=rep.live_bytes,
+                        capacity=rep.capacity,
+                        stored=rep.tokens_stored[0],
+                        groups=dict(rep.allocated),
+                    )
             out[label] = dict(shape=shape, table=table)
     out["group_size"], out["residual"] = g, r
     res["s4"] = out
@@ -281,12 +337,20 @@ def section5(models, cfg, res, timings):
         log(f"{name}: section 5, greedy prefix match, {len(tables.PROMPTS)} prompts x {cfg['greedy_new']} tokens")
         with Timer(timings, f"{name} s5 greedy"):
             g = tables.greedy_match(model, tables.PROMPTS, new_tokens=cfg["greedy_new"])
-        out[name] = dict(modes={m: dict(per_prompt=d["per_prompt"], mean=d["mean"], exact=d["exact"])
-                                for m, d in g["modes"].items()},
-                         prompt_lengths=g["prompt_lengths"],
-                         reference_text=[model.tokenizer.decode(t) for t in g["reference"]])
-    res["s5"] = dict(prompts=list(tables.PROMPTS), new_tokens=cfg["greedy_new"], group_size=tables.GROUP_SIZE,
-                     residual=tables.RESIDUAL, models=out)
+        out[name] = dict(
+            modes={
+                m: dict(per_prompt=d["per_prompt"], mean=d["mean"], exact=d["exact"]) for m, d in g["modes"].items()
+            },
+            prompt_lengths=g["prompt_lengths"],
+            reference_text=[model.tokenizer.decode(t) for t in g["reference"]],
+        )
+    res["s5"] = dict(
+        prompts=list(tables.PROMPTS),
+        new_tokens=cfg["greedy_new"],
+        group_size=tables.GROUP_SIZE,
+        residual=tables.RESIDUAL,
+        models=out,
+    )
 
 
 # ------------------------------------------------------------------------------ run
@@ -333,13 +397,23 @@ def run(data: pathlib.Path, *, quick: bool = False, sections=SECTIONS, checkpoin
     res: dict = dict(quick=quick, config=cfg, date=time.strftime("%Y-%m-%d %H:%M %Z"), machine=machine())
     total_t, total_c = time.perf_counter(), time.process_time()
     with Timer(timings, "load models"):
-        models = {"stories260K": load_model(models_dir / "stories260K.bin", tokenizer=models_dir / "tok512.model"),
-                  "SmolLM2-135M": load_model(models_dir / "SmolLM2-135M-Instruct.Q4_1.gguf")}
+        models = {
+            "stories260K": load_model(models_dir / "stories260K.bin", tokenizer=models_dir / "tok512.model"),
+            "SmolLM2-135M": load_model(models_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        }
     for name, model in models.items():
         c = model.config
-        res[name] = dict(config=dict(n_layers=c.n_layers, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
-                                     head_dim=c.head_dim, dim=c.dim, trained_context=c.max_seq_len,
-                                     rope_theta=c.rope_theta))
+        res[name] = dict(
+            config=dict(
+                n_layers=c.n_layers,
+                n_heads=c.n_heads,
+                n_kv_heads=c.n_kv_heads,
+                head_dim=c.head_dim,
+                dim=c.dim,
+                trained_context=c.max_seq_len,
+                rope_theta=c.rope_theta,
+            )
+        )
     if 4 in sections:
         log("section 4: memory")
         section4(res, timings)
@@ -357,7 +431,9 @@ def run(data: pathlib.Path, *, quick: bool = False, sections=SECTIONS, checkpoin
             atomic_write(checkpoint, json.dumps(to_jsonable(res)).encode(), private=False)
     if 5 in sections:
         section5(models, cfg, res, timings)
-    timings["total"] = dict(wall_s=round(time.perf_counter() - total_t, 1), cpu_s=round(time.process_time() - total_c, 1))
+    timings["total"] = dict(
+        wall_s=round(time.perf_counter() - total_t, 1), cpu_s=round(time.process_time() - total_c, 1)
+    )
     res["timings"] = timings
     res["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     return json.loads(json.dumps(to_jsonable(res)))  # exactly what is stored

@@ -36,14 +36,19 @@ def plots(res: dict, outdir: pathlib.Path) -> list[str]:
     try:
         import matplotlib
     except ImportError:
-        raise JaxkvError("the plots need matplotlib: pip install 'jaxkv[results]' (or render with the "
-                         "plots already there)") from None
+        raise JaxkvError(
+            "the plots need matplotlib: pip install 'jaxkv[results]' (or render with the plots already there)"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     made = []
-    labels = {"full": "full cache", "window": "window only (sink 0)", "sink_absolute": "sink 4 + window, absolute pos.",
-              "sink_cache": "sink 4 + window, cache pos."}
+    labels = {
+        "full": "full cache",
+        "window": "window only (sink 0)",
+        "sink_absolute": "sink 4 + window, absolute pos.",
+        "sink_cache": "sink 4 + window, cache pos.",
+    }
     colors = {"full": "tab:gray", "window": "tab:red", "sink_absolute": "tab:orange", "sink_cache": "tab:blue"}
     for name in MODEL_NAMES:
         if name not in res or "s1" not in res[name]:
@@ -83,10 +88,13 @@ def plots(res: dict, outdir: pathlib.Path) -> list[str]:
                 a.axvline(trained, color="tab:purple", ls="--", lw=0.8)
         ax.set_yscale("log")
         ax.set_ylabel(f"perplexity (exp of rolling mean NLL, {roll} tokens)")
-        ax.set_title(f"{name}: streaming perplexity versus position ({n} tokens of TinyStories)\n"
-                     f"dotted line: cache size {s1['cache']}" + (f"; dashed line: trained context {trained}" if trained < n else "")
-                     + f"\nbottom: paired ratio to the recomputation oracle (window {s1['cache']}) per {bw} positions",
-                     fontsize=9)
+        ax.set_title(
+            f"{name}: streaming perplexity versus position ({n} tokens of TinyStories)\n"
+            f"dotted line: cache size {s1['cache']}"
+            + (f"; dashed line: trained context {trained}" if trained < n else "")
+            + f"\nbottom: paired ratio to the recomputation oracle (window {s1['cache']}) per {bw} positions",
+            fontsize=9,
+        )
         ax.legend(fontsize=8, loc="best")
         ax.grid(alpha=0.3, which="both")
         made.append(_save(plt, fig, outdir / f"nll_vs_position_{name}.png"))
@@ -99,7 +107,9 @@ def plots(res: dict, outdir: pathlib.Path) -> list[str]:
             for positions, col in (("absolute", "tab:orange"), ("cache", "tab:blue")):
                 rows = [v for v in s2["table"].values() if v["positions"] == positions]
                 rows.sort(key=lambda r: r["sink"])
-                ax.plot([r["sink"] for r in rows], [r["ppl"] for r in rows], "o-", color=col, label=f"{positions} positions")
+                ax.plot(
+                    [r["sink"] for r in rows], [r["ppl"] for r in rows], "o-", color=col, label=f"{positions} positions"
+                )
             ax.set_xticks(sorted({v["sink"] for v in s2["table"].values()}))
             ax.set_xlabel(f"sink tokens (sink + window = {s2['cache']})")
             ax.set_ylabel(f"perplexity over {s2['tokens']} tokens")
@@ -129,5 +139,3 @@ def plots(res: dict, outdir: pathlib.Path) -> list[str]:
             ax.legend(fontsize=8)
         made.append(_save(plt, fig, outdir / "kivi_ppl.png"))
     return made
-
-

@@ -59,9 +59,22 @@ BASELINE = "fp16"
 KINDS = ("baseline", "KIVI", "lever", "combination")
 """Config kinds, in the document's order."""
 
-FULL = dict(tokens=2048, greedy_new=100, greedy_prompts=8, greedy_chars=1000, greedy_skip_chars=40000,
-            decode_sink=4, decode_window=512, decode_prompt=512, decode_new=128, decode_block=32, decode_repeat=3,
-            prefill_sink=4, prefill_window=4096, prefill_chunk=128)
+FULL = dict(
+    tokens=2048,
+    greedy_new=100,
+    greedy_prompts=8,
+    greedy_chars=1000,
+    greedy_skip_chars=40000,
+    decode_sink=4,
+    decode_window=512,
+    decode_prompt=512,
+    decode_new=128,
+    decode_block=32,
+    decode_repeat=3,
+    prefill_sink=4,
+    prefill_window=4096,
+    prefill_chunk=128,
+)
 """Sizes of the full run: ``tokens`` scored per model (one stream from the text's start); greedy:
 ``greedy_prompts`` prompts of >= ``greedy_chars`` characters (whole paragraphs of the text from
 character ``greedy_skip_chars`` on), ``greedy_new`` tokens each; decode: a cache of
@@ -69,8 +82,17 @@ character ``greedy_skip_chars`` on), ``greedy_new`` tokens each; decode: a cache
 ``decode_new`` tokens in blocks of ``decode_block``, ``decode_repeat`` rounds; prefill: a
 ``prefill_sink`` + ``prefill_window`` cache, calls of ``prefill_chunk`` tokens."""
 
-QUICK = dict(FULL, tokens=256, greedy_new=16, greedy_chars=300, decode_window=128, decode_prompt=64, decode_new=64,
-             decode_block=16, decode_repeat=1)
+QUICK = dict(
+    FULL,
+    tokens=256,
+    greedy_new=16,
+    greedy_chars=300,
+    decode_window=128,
+    decode_prompt=64,
+    decode_new=64,
+    decode_block=16,
+    decode_repeat=1,
+)
 """Sizes of a smoke run (``--quick``): not the results."""
 
 
@@ -102,8 +124,10 @@ class QuantConfig:
             raise JaxkvError(f"QuantConfig {self.name!r}: kind={self.kind!r}: expected one of {', '.join(KINDS)}")
         shape = sorted(set(self.storage) & set(SHAPE_FIELDS))
         if shape:
-            raise JaxkvError(f"QuantConfig {self.name!r}: storage sets {', '.join(shape)}: the shape is each "
-                             "measurement's own; give only storage fields")
+            raise JaxkvError(
+                f"QuantConfig {self.name!r}: storage sets {', '.join(shape)}: the shape is each "
+                "measurement's own; give only storage fields"
+            )
 
     def missing(self) -> list[str]:
         """What this jaxkv lacks to build the config: CacheSpec fields not defined; [] when available."""
@@ -160,8 +184,9 @@ def text_prompts(path: pathlib.Path, *, count: int, chars: int, skip_chars: int)
             current = []
             if len(prompts) == count:
                 return prompts
-    raise JaxkvError(f"{path}: only {len(prompts)} prompts of {chars} characters after character {skip_chars}, "
-                     f"{count} needed")
+    raise JaxkvError(
+        f"{path}: only {len(prompts)} prompts of {chars} characters after character {skip_chars}, {count} needed"
+    )
 
 
 # ------------------------------------------------------------------------------ measurements
@@ -195,13 +220,17 @@ def greedy_rows(model: LoadedModel, prompts: Sequence[str], configs: Sequence[Qu
     Returns:
       ``{"prompt_lengths": [tokens], "new_tokens": int, "configs": {name: {"per_prompt", "mean", "exact"}}}``.
     """
+
     def spec_of(c, max_len):
         return c.cache(model.config.n_layers, max_len=max_len)
 
     modes = {c.name: functools.partial(spec_of, c) for c in configs}
     g = tables.greedy_match(model, list(prompts), modes=modes, new_tokens=new_tokens)
-    return dict(prompt_lengths=g["prompt_lengths"], new_tokens=new_tokens,
-                configs={k: dict(per_prompt=v["per_prompt"], mean=v["mean"], exact=v["exact"]) for k, v in g["modes"].items()})
+    return dict(
+        prompt_lengths=g["prompt_lengths"],
+        new_tokens=new_tokens,
+        configs={k: dict(per_prompt=v["per_prompt"], mean=v["mean"], exact=v["exact"]) for k, v in g["modes"].items()},
+    )
 
 
 def decode_rows(model: LoadedModel, configs: Sequence[QuantConfig], sizes: dict) -> dict:
@@ -214,10 +243,23 @@ def decode_rows(model: LoadedModel, configs: Sequence[QuantConfig], sizes: dict)
     """
     shape = dict(sink=sizes["decode_sink"], window=sizes["decode_window"])
     specs = {c.name: c.cache(model.config.n_layers, **shape) for c in configs}
-    res = bench.run(model, specs, [sizes["decode_new"]], prompt_tokens=sizes["decode_prompt"], block=sizes["decode_block"],
-                    repeat=sizes["decode_repeat"], log=log)
-    rows = {r["mode"]: dict(ms=r["rows"][0]["decode_ms_per_token"], repeats=r["rows"][0]["decode_ms_per_token_repeats"],
-                            peak_rss_mib=r["peak_rss_mib"]) for r in res["runs"]}
+    res = bench.run(
+        model,
+        specs,
+        [sizes["decode_new"]],
+        prompt_tokens=sizes["decode_prompt"],
+        block=sizes["decode_block"],
+        repeat=sizes["decode_repeat"],
+        log=log,
+    )
+    rows = {
+        r["mode"]: dict(
+            ms=r["rows"][0]["decode_ms_per_token"],
+            repeats=r["rows"][0]["decode_ms_per_token_repeats"],
+            peak_rss_mib=r["peak_rss_mib"],
+        )
+        for r in res["runs"]
+    }
     for r in rows.values():
         if BASELINE in rows:
             r["ratio"] = r["ms"] / rows[BASELINE]["ms"]
@@ -240,10 +282,20 @@ def prefill_rows(model: LoadedModel, configs: Sequence[QuantConfig], sizes: dict
     return dict(configs=rows)
 
 
-def measure(models: Mapping[str, LoadedModel], ids: Mapping[str, Sequence[int]], configs: Sequence[QuantConfig], *,
-            sizes: dict, prompts: Sequence[str], flags: Mapping[str, str], main: str, prefill_model: str,
-            quick: bool = False, skipped: Mapping[str, list] | None = None,
-            sections: Sequence[str] = ("ppl", "greedy", "decode", "prefill")) -> dict:
+def measure(
+    models: Mapping[str, LoadedModel],
+    ids: Mapping[str, Sequence[int]],
+    configs: Sequence[QuantConfig],
+    *,
+    sizes: dict,
+    prompts: Sequence[str],
+    flags: Mapping[str, str],
+    main: str,
+    prefill_model: str,
+    quick: bool = False,
+    skipped: Mapping[str, list] | None = None,
+    sections: Sequence[str] = ("ppl", "greedy", "decode", "prefill"),
+) -> dict:
     """Every number of docs/QUANTIZATION.md, as one JSON-ready dict.
 
     Args:
@@ -273,12 +325,26 @@ def measure(models: Mapping[str, LoadedModel], ids: Mapping[str, Sequence[int]],
             raise JaxkvError(f"config {c.name!r} needs {', '.join(c.missing())}, which this jaxkv lacks")
     timings: dict = {}
     t0, c0 = time.perf_counter(), time.process_time()
-    res = dict(quick=quick, sizes=dict(sizes), date=time.strftime("%Y-%m-%d %H:%M %Z"), machine=machine(),
-               configs={c.name: dict(kind=c.kind, storage=dict(c.storage), recommended=c.recommended, flags=flags[c.name])
-                        for c in configs},
-               skipped=dict(skipped or {}),
-               models={name: dict(n_layers=m.config.n_layers, n_kv_heads=m.config.n_kv_heads, head_dim=m.config.head_dim,
-                                  trained_context=m.config.max_seq_len) for name, m in models.items()})
+    res = dict(
+        quick=quick,
+        sizes=dict(sizes),
+        date=time.strftime("%Y-%m-%d %H:%M %Z"),
+        machine=machine(),
+        configs={
+            c.name: dict(kind=c.kind, storage=dict(c.storage), recommended=c.recommended, flags=flags[c.name])
+            for c in configs
+        },
+        skipped=dict(skipped or {}),
+        models={
+            name: dict(
+                n_layers=m.config.n_layers,
+                n_kv_heads=m.config.n_kv_heads,
+                head_dim=m.config.head_dim,
+                trained_context=m.config.max_seq_len,
+            )
+            for name, m in models.items()
+        },
+    )
     if "ppl" in sections:
         res["ppl"] = {}
         for name, model in models.items():
@@ -287,17 +353,28 @@ def measure(models: Mapping[str, LoadedModel], ids: Mapping[str, Sequence[int]],
     chosen = [c for c in configs if c.recommended]
     if "greedy" in sections and chosen:
         with Timer(timings, f"{main} greedy"):
-            res["greedy"] = dict(model=main, prompts=list(prompts),
-                                 **greedy_rows(models[main], prompts, chosen, new_tokens=sizes["greedy_new"]))
+            res["greedy"] = dict(
+                model=main,
+                prompts=list(prompts),
+                **greedy_rows(models[main], prompts, chosen, new_tokens=sizes["greedy_new"]),
+            )
     if "decode" in sections:
         with Timer(timings, f"{main} decode"):
             timed = [c for c in configs if c.recommended or c.kind in ("baseline", "KIVI")]
-            res["decode"] = dict(model=main, sink=sizes["decode_sink"], window=sizes["decode_window"],
-                                 **decode_rows(models[main], timed, sizes))
+            res["decode"] = dict(
+                model=main,
+                sink=sizes["decode_sink"],
+                window=sizes["decode_window"],
+                **decode_rows(models[main], timed, sizes),
+            )
     if "prefill" in sections:
         with Timer(timings, f"{prefill_model} prefill"):
-            res["prefill"] = dict(model=prefill_model, sink=sizes["prefill_sink"], window=sizes["prefill_window"],
-                                  **prefill_rows(models[prefill_model], configs, sizes))
+            res["prefill"] = dict(
+                model=prefill_model,
+                sink=sizes["prefill_sink"],
+                window=sizes["prefill_window"],
+                **prefill_rows(models[prefill_model], configs, sizes),
+            )
     timings["total"] = dict(wall_s=round(time.perf_counter() - t0, 1), cpu_s=round(time.process_time() - c0, 1))
     res["timings"] = timings
     res["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -312,8 +389,9 @@ def store_or_whole(row: dict) -> float:
     return row["bits"] if row["store_bits"] is None else row["store_bits"]
 
 
-def verdicts(rows: Mapping[str, dict], *, bits: Callable[[dict], float] = lambda r: r["bits"],
-             budgets=BUDGETS) -> list[dict]:
+def verdicts(
+    rows: Mapping[str, dict], *, bits: Callable[[dict], float] = lambda r: r["bits"], budgets=BUDGETS
+) -> list[dict]:
     """Per budget, the best measured config within it and whether it meets the goal.
 
     Args:
@@ -333,10 +411,18 @@ def verdicts(rows: Mapping[str, dict], *, bits: Callable[[dict], float] = lambda
     for budget, goal in budgets:
         within = [k for k, r in rows.items() if bits(r) <= budget]
         best = min(within, key=lambda k: (rows[k]["delta"], bits(rows[k]), k), default=None)
-        out.append(dict(budget=budget, goal=goal, best=best, within=len(within), fewest=fewest,
-                        delta=None if best is None else rows[best]["delta"],
-                        bits=None if best is None else bits(rows[best]),
-                        met=best is not None and rows[best]["delta"] <= goal))
+        out.append(
+            dict(
+                budget=budget,
+                goal=goal,
+                best=best,
+                within=len(within),
+                fewest=fewest,
+                delta=None if best is None else rows[best]["delta"],
+                bits=None if best is None else bits(rows[best]),
+                met=best is not None and rows[best]["delta"] <= goal,
+            )
+        )
     return out
 
 
@@ -345,10 +431,14 @@ def verdict_text(v: dict, rows: Mapping[str, dict], bits: Callable[[dict], float
     head = f"<= {v['budget']:g} bits/element, goal ΔPPL <= {100 * v['goal']:g} %: "
     if v["best"] is None:
         f = v["fewest"]
-        return head + (f"**missed**: no measured config within {v['budget']:g} bits"
-                       + (f" (fewest: `{f}`, {bits(rows[f]):.2f} bits, ΔPPL {pct(rows[f]['delta'])})" if f else ""))
-    what = (f"`{v['best']}`, ΔPPL {pct(v['delta'])} at {v['bits']:.2f} bits ({v['within']} "
-            f"config{'s' if v['within'] > 1 else ''} within the budget)")
+        return head + (
+            f"**missed**: no measured config within {v['budget']:g} bits"
+            + (f" (fewest: `{f}`, {bits(rows[f]):.2f} bits, ΔPPL {pct(rows[f]['delta'])})" if f else "")
+        )
+    what = (
+        f"`{v['best']}`, ΔPPL {pct(v['delta'])} at {v['bits']:.2f} bits ({v['within']} "
+        f"config{'s' if v['within'] > 1 else ''} within the budget)"
+    )
     return head + (f"**met** by {what}" if v["met"] else f"**missed**: the best within the budget is {what}")
 
 
@@ -398,8 +488,11 @@ def table_rows(res: dict) -> tuple[list[str], list[list[str]]]:
         if prefill:
             p = prefill["configs"].get(name)
             chunk = res["sizes"]["prefill_chunk"]
-            cells.append("–" if p is None else f"{p['temp_bytes'] / 2**20:.1f}"
-                         + (f" (T={p['chunk']})" if p["chunk"] != chunk else ""))
+            cells.append(
+                "–"
+                if p is None
+                else f"{p['temp_bytes'] / 2**20:.1f}" + (f" (T={p['chunk']})" if p["chunk"] != chunk else "")
+            )
         rows.append(cells)
     return header, rows
 
@@ -415,25 +508,32 @@ def render(res: dict, plot_name: str | None) -> str:
     add = L.append
     add("# Low-bit KV caches: ΔPPL against the bits they cost")
     add("")
-    add(f"Generated by `scripts/quantization.py`{' --quick (SMOKE RUN: small sizes, not the results)' if res['quick'] else ''} "
+    add(
+        f"Generated by `scripts/quantization.py`{' --quick (SMOKE RUN: small sizes, not the results)' if res['quick'] else ''} "
         f"on {res['date']}; every number below was measured in that run, from `../shared/data` only, and every "
         "verdict is computed from those numbers (`verdicts()` in `jaxkv/eval/report/quantization.py`). Rerun it "
         "to regenerate this file, `docs/results/quantization.png` and `docs/results/quantization.json`: "
-        "`pip install -e '.[results]' && python scripts/quantization.py`.")
+        "`pip install -e '.[results]' && python scripts/quantization.py`."
+    )
     add("")
     add(machine_text(res["machine"], res["timings"].get("total", {})))
     add("")
     add("## Goals (issue 15) and what was measured")
     add("")
-    add("Budgets in effective bits per cached K/V element, counted from the cache's leaves (codes + scales + zeros "
+    add(
+        "Budgets in effective bits per cached K/V element, counted from the cache's leaves (codes + scales + zeros "
         "of the quantised store, and the full-precision residual and sinks for the whole cache; positions and "
-        "lengths left out): " + "; ".join(f"<= {b:g} bits: ΔPPL <= {100 * g:g} %" for b, g in BUDGETS)
-        + ". Per budget, the config of lowest ΔPPL among those within it, and whether it meets the goal:")
+        "lengths left out): "
+        + "; ".join(f"<= {b:g} bits: ΔPPL <= {100 * g:g} %" for b, g in BUDGETS)
+        + ". Per budget, the config of lowest ΔPPL among those within it, and whether it meets the goal:"
+    )
     add("")
     for model, p in res.get("ppl", {}).items():
         rows = p["configs"]
-        for label, bits in (("whole cache (residual and sinks counted)", lambda r: r["bits"]),
-                            ("quantised store only", store_or_whole)):
+        for label, bits in (
+            ("whole cache (residual and sinks counted)", lambda r: r["bits"]),
+            ("quantised store only", store_or_whole),
+        ):
             add(f"**{model}**, bits of the {label}:")
             add("")
             for v in verdicts(rows, bits=bits):
@@ -442,16 +542,28 @@ def render(res: dict, plot_name: str | None) -> str:
     decode, prefill = res.get("decode"), res.get("prefill")
     if decode and BASELINE in decode["configs"]:
         slow = [k for k, d in decode["configs"].items() if d["ratio"] > 1 / 0.8]
-        add(f"Decode speed at or above 0.8x {BASELINE}'s (ms/token at most 1.25x): "
-            + ("every config." if not slow else "**missed** by " + ", ".join(
-                f"`{k}` ({decode['configs'][k]['ratio']:.2f}x)" for k in slow) + "."))
+        add(
+            f"Decode speed at or above 0.8x {BASELINE}'s (ms/token at most 1.25x): "
+            + (
+                "every config."
+                if not slow
+                else "**missed** by " + ", ".join(f"`{k}` ({decode['configs'][k]['ratio']:.2f}x)" for k in slow) + "."
+            )
+        )
         add("")
     if prefill and BASELINE in prefill["configs"]:
         ref = prefill["configs"][BASELINE]["temp_bytes"]
         worse = [k for k, p in prefill["configs"].items() if p["temp_bytes"] > ref]
-        add(f"Prefill temporaries no worse than {BASELINE}'s ({ref / 2**20:.1f} MiB): "
-            + ("every config." if not worse else "**missed** by " + ", ".join(
-                f"`{k}` ({prefill['configs'][k]['temp_bytes'] / 2**20:.1f} MiB)" for k in worse) + "."))
+        add(
+            f"Prefill temporaries no worse than {BASELINE}'s ({ref / 2**20:.1f} MiB): "
+            + (
+                "every config."
+                if not worse
+                else "**missed** by "
+                + ", ".join(f"`{k}` ({prefill['configs'][k]['temp_bytes'] / 2**20:.1f} MiB)" for k in worse)
+                + "."
+            )
+        )
         add("")
     if plot_name:
         add(f"![ΔPPL versus effective bits](results/{plot_name})")
@@ -468,41 +580,58 @@ def render(res: dict, plot_name: str | None) -> str:
     add("")
     for model, p in res.get("ppl", {}).items():
         info = res["models"][model]
-        add(f"- **ΔPPL, {model}** (L={info['n_layers']}, K={info['n_kv_heads']}, H={info['head_dim']}, trained "
+        add(
+            f"- **ΔPPL, {model}** (L={info['n_layers']}, K={info['n_kv_heads']}, H={info['head_dim']}, trained "
             f"context {info['trained_context']}): the first {p['tokens']} tokens of `text/tinystories_valid_head.txt` "
             f"as one stream ({p['scored']} scored), teacher-forced through a full cache of {p['tokens']} slots of "
             f"each config (`jaxkv.eval.token_nll`); ΔPPL = perplexity / the fp32 full cache's ({p['fp32_ppl']:.4f}) "
             "- 1. The bits are those of that same cache (`jaxkv.cache.memory.element_bits`)."
-            + (" The text is longer than the model's trained context, so its absolute perplexity is out of "
-               "distribution; the ratio still compares storages on the same tokens." if p["tokens"] > info["trained_context"] else ""))
+            + (
+                " The text is longer than the model's trained context, so its absolute perplexity is out of "
+                "distribution; the ratio still compares storages on the same tokens."
+                if p["tokens"] > info["trained_context"]
+                else ""
+            )
+        )
     g = res.get("greedy")
     if g:
-        add(f"- **Greedy match** ({g['model']}, recommended configs): {len(g['prompts'])} prompts of whole paragraphs "
+        add(
+            f"- **Greedy match** ({g['model']}, recommended configs): {len(g['prompts'])} prompts of whole paragraphs "
             f"of the same text from character {s['greedy_skip_chars']} on, at least {s['greedy_chars']} characters "
             f"each ({min(g['prompt_lengths'])}-{max(g['prompt_lengths'])} tokens: with R = 128, the shortest "
             f"prompt's cache holds {_flushed(min(g['prompt_lengths']) + g['new_tokens'], 128)} tokens as codes at "
             f"the end), decoded together, {g['new_tokens']} greedy tokens each, EOS disabled, full caches "
             "(`jaxkv.eval.greedy_match`); score = the fraction of the fp32 cache's tokens reproduced before the "
-            "first divergence, mean over the prompts (exactly reproduced prompts in brackets).")
+            "first divergence, mean over the prompts (exactly reproduced prompts in brackets)."
+        )
     if decode:
-        add(f"- **Decode ms/token** ({decode['model']}): `jaxkv.eval.bench.run`, a StreamingLLM cache of sink "
+        add(
+            f"- **Decode ms/token** ({decode['model']}): `jaxkv.eval.bench.run`, a StreamingLLM cache of sink "
             f"{decode['sink']} + window {decode['window']} in each config (the same window for all; a KIVI cache "
             "also holds its residual), a random "
             f"prompt of {s['decode_prompt']} tokens, {s['decode_new']} greedy tokens in blocks of {s['decode_block']}, "
             f"the configs round-robin {s['decode_repeat']} time(s), median; the ratio is to {BASELINE}'s ms/token "
-            "(> 1 = slower).")
+            "(> 1 = slower)."
+        )
     if prefill:
-        add(f"- **Prefill temporaries** ({prefill['model']}): `temp_size_in_bytes` of the compiled prefill call "
+        add(
+            f"- **Prefill temporaries** ({prefill['model']}): `temp_size_in_bytes` of the compiled prefill call "
             f"(`jaxkv.eval.bench.prefill_temp_bytes`) into a sink {prefill['sink']} + window {prefill['window']} "
             f"cache, {s['prefill_chunk']} tokens per call (a KIVI residual of fewer tokens caps the call: T = R, "
-            "shown). MiB = 2^20 bytes.")
-    add("- **Flags**: the storage flags of `jaxkv ppl` (and every subcommand with the cache flags) that build "
+            "shown). MiB = 2^20 bytes."
+        )
+    add(
+        "- **Flags**: the storage flags of `jaxkv ppl` (and every subcommand with the cache flags) that build "
         "the config; add the cache's shape (`--streaming-llm-sink S --streaming-llm-window W`, or nothing for a "
-        "full cache).")
+        "full cache)."
+    )
     if res["skipped"]:
         add("")
-        add("**Not measured in this run** (this jaxkv lacks what they need): "
-            + "; ".join(f"`{k}` ({', '.join(v)})" for k, v in res["skipped"].items()) + ".")
+        add(
+            "**Not measured in this run** (this jaxkv lacks what they need): "
+            + "; ".join(f"`{k}` ({', '.join(v)})" for k, v in res["skipped"].items())
+            + "."
+        )
     return "\n".join(L) + "\n"
 
 
@@ -536,8 +665,16 @@ def plot(res: dict, path: pathlib.Path) -> str:
             kind = res["configs"][name]["kind"]
             if r["store_bits"] is not None:
                 ax.plot([r["store_bits"], r["bits"]], [y, y], color=COLORS[kind], lw=0.6, alpha=0.5)
-            ax.plot(r["bits"], y, MARKERS[i % len(MARKERS)], color=COLORS[kind], ms=7, ls="none",
-                    mfc="none" if r["delta"] < 0 else COLORS[kind], label=name)
+            ax.plot(
+                r["bits"],
+                y,
+                MARKERS[i % len(MARKERS)],
+                color=COLORS[kind],
+                ms=7,
+                ls="none",
+                mfc="none" if r["delta"] < 0 else COLORS[kind],
+                label=name,
+            )
             ax.annotate(name, (r["bits"], y), fontsize=6, xytext=(4, 2), textcoords="offset points")
         xs, ys, left = [], [], min(2.0, min(r["bits"] for r in rows.values()) - 0.25)
         for b, g in sorted(BUDGETS):  # the goal as steps: <= 10 % up to 3 bits, <= 3 % up to 4, <= 1 % up to 5
@@ -550,8 +687,12 @@ def plot(res: dict, path: pathlib.Path) -> str:
         ax.set_title(f"{model}: {p['tokens']} tokens, fp32 ppl {p['fp32_ppl']:.3f}", fontsize=9)
         ax.grid(alpha=0.3, which="both")
     handles, labels = axes[0][0].get_legend_handles_labels()  # the same configs, markers and colours in every panel
-    handles = [matplotlib.lines.Line2D([], [], marker=h.get_marker(), color=h.get_color(), ls=h.get_linestyle(),
-                                       lw=h.get_linewidth()) for h in handles]  # filled, whatever the first panel's sign
+    handles = [
+        matplotlib.lines.Line2D(
+            [], [], marker=h.get_marker(), color=h.get_color(), ls=h.get_linestyle(), lw=h.get_linewidth()
+        )
+        for h in handles
+    ]  # filled, whatever the first panel's sign
     fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.06 + 0.012 * (len(labels) // 5), 1, 1))
     fig.savefig(path, dpi=110)
