@@ -8,7 +8,7 @@ The engine is usable without HTTP::
     print(engine.submit(ids, SamplingParams(max_tokens=32)).result().text)
 """
 
-from jaxkv.serve.engine import Engine, EngineStopped, Event, QueueFullError, Request, SamplingParams
+from jaxkv.serve.engine import ContextLengthError, Engine, EngineStopped, Event, QueueFullError, Request, SamplingParams
 from jaxkv.serve.prefix import PrefixStore
 
-__all__ = ["Engine", "EngineStopped", "Event", "PrefixStore", "QueueFullError", "Request", "SamplingParams"]
+__all__ = ["ContextLengthError", "Engine", "EngineStopped", "Event", "PrefixStore", "QueueFullError", "Request", "SamplingParams"]

@@ -66,7 +66,7 @@ from jaxkv.io import LoadedModel
 from jaxkv.models.step import forward
 from jaxkv.serve.prefix import PrefixStore, tree_bytes
 
-__all__ = ["Engine", "EngineStopped", "Event", "QueueFullError", "Request", "SamplingParams"]
+__all__ = ["ContextLengthError", "Engine", "EngineStopped", "Event", "QueueFullError", "Request", "SamplingParams"]
 
 log = logging.getLogger("jaxkv.serve")
 
@@ -82,6 +82,23 @@ class QueueFullError(JaxkvError):
 
 class EngineStopped(JaxkvError):
     """The engine is shutting down or stopped: no new requests (HTTP 503)."""
+
+
+class ContextLengthError(JaxkvError):
+    """A prompt plus ``max_tokens`` beyond a full cache's ``max_len`` (HTTP 400,
+    ``context_length_exceeded``).
+
+    Attributes:
+      prompt_tokens: the prompt's tokens. max_tokens: the tokens asked for. limit: the cache's tokens.
+    """
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int):
+        self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, limit
+        super().__init__(
+            f"prompt of {prompt_tokens} tokens + max_tokens={max_tokens} is beyond the cache's "
+            f"{limit} tokens (max_len): ask for at most {max(limit - prompt_tokens, 0)} tokens, or serve "
+            "with a bounded cache (a StreamingLLM window)"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -324,8 +341,8 @@ class Engine:
             chat template: :func:`jaxkv.decode.encode_prompt`).
           params: the request's :class:`SamplingParams`.
         Raises:
-          JaxkvError: an empty prompt, ids outside the vocabulary, or a prompt plus
-            ``max_tokens`` beyond a full cache's ``max_len`` (before any work);
+          JaxkvError: an empty prompt or ids outside the vocabulary; ContextLengthError (a
+            JaxkvError): a prompt plus ``max_tokens`` beyond a full cache's ``max_len`` (before any work);
           QueueFullError: ``max_queue`` requests already wait; EngineStopped: after :meth:`shutdown`.
         """
         if not isinstance(params, SamplingParams):
@@ -336,11 +353,7 @@ class Engine:
         check_token_ids(ids, self.model.config.vocab_size)
         limit = self.spec.token_limit
         if limit is not None and len(ids) + params.max_tokens > limit:
-            raise JaxkvError(
-                f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} is beyond the cache's "
-                f"{limit} tokens (max_len): ask for at most {max(limit - len(ids), 0)} tokens, or serve "
-                "with a bounded cache (a StreamingLLM window)"
-            )
+            raise ContextLengthError(len(ids), params.max_tokens, limit)
         request = Request(ids, params, on_event)
         with self._wake:
             if self._stopping:
