@@ -4,8 +4,11 @@ are in tests/reference.py."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -15,6 +18,34 @@ from paths import GOLDEN, SMOLLM2, STORIES_BIN, TOK512_MODEL
 
 jax.config.update("jax_platforms", "cpu")
 os.environ.setdefault("JAXKV_COMPILE_CACHE", "off")  # `python -m jaxkv.cli` subprocesses: no cache in $HOME
+
+
+def _suite_compile_cache() -> None:
+    """One JAX persistent compilation cache for the whole run (jax >= 0.6), so that each program
+    is compiled once: by this process, the pytest-xdist workers (started after this import, they
+    inherit the environment) and every ``python -m jaxkv.cli`` subprocess. It is
+    ``$JAX_COMPILATION_CACHE_DIR`` when set (``scripts/test.sh --quick`` keeps one between runs),
+    else a temporary folder removed when the process that made it exits. jax 0.5.0's CPU
+    executables reloaded from the cache decode garbage (:func:`jaxkv.cli.use_compile_cache`), so
+    the floor runs without it."""
+    if jax.__version_info__ < (0, 6):
+        return
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        where = tempfile.mkdtemp(prefix="jaxkv-test-xla-")
+        atexit.register(shutil.rmtree, where, ignore_errors=True)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = where
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update(
+        "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+    )
+    jax.config.update(
+        "jax_persistent_cache_min_entry_size_bytes", int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"])
+    )
+
+
+_suite_compile_cache()
 
 
 @pytest.fixture(scope="session")

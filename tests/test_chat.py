@@ -101,19 +101,12 @@ def converse(session, messages):
 
 
 @pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-    """Environment for subprocesses: CPU, and (jax >= 0.6) one persistent compilation cache so
-    that the processes of this module compile each shape once. jax 0.5.0's CPU executables
-    reloaded from that cache decode garbage here (the resumed chat printed only <unk>), so the
-    floor runs without it."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    if jax.__version_info__ >= (0, 6):
-        env.update(
-            JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
-            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-        )
-    return env
+def jax_cache():
+    """Environment for subprocesses: CPU, and (jax >= 0.6) the suite's persistent compilation
+    cache (tests/conftest.py), so that these processes compile each shape once. jax 0.5.0's CPU
+    executables reloaded from that cache decode garbage here (the resumed chat printed only
+    <unk>), so the floor runs without it."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
 # ------------------------------------------------------------------ 1. full cache = from scratch

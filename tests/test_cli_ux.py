@@ -439,6 +439,7 @@ def test_the_command_caches_compiled_programs_and_a_second_run_loads_them(tmp_pa
     entries, the second compiles nothing new and prints the same text."""
     cache = tmp_path / "xla"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXKV_COMPILE_CACHE": str(cache)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the suite's (tests/conftest.py) would be kept instead
     argv = [
         sys.executable,
         "-m",

@@ -269,6 +269,10 @@ class Engine:
       prefill_chunk: tokens per compiled prefill call (capped by the spec's ``max_chunk``).
       block: decode steps per compiled call while no prompt waits (one call's host round trip
         shared by ``block`` tokens; a request arriving meanwhile waits for the call to end).
+      max_num_batched_tokens: tokens per scheduling step at most (vLLM's name): every decoding
+        row's next token first, then waiting prompts' chunks in the rest of the budget, >= 1.
+      stream_interval: tokens per event a decoding row delivers at most (vLLM's name): 1 sends
+        every token as it is sampled; N > 1 batches N tokens into one event, >= 1.
       mesh: a :func:`jaxkv.decode.parallel.make_mesh` mesh: slots shard over its ``data``
         axis (as ``jaxkv batch``), the parameters as :func:`~jaxkv.decode.parallel.shard_model` places them.
     Raises:
@@ -285,6 +289,8 @@ class Engine:
         prefix_cache_bytes: int = 256 << 20,
         prefill_chunk: int = loop.PREFILL_CHUNK,
         block: int = 8,
+        max_num_batched_tokens: int = loop.PREFILL_CHUNK,
+        stream_interval: int = 1,
         mesh=None,
     ):
         if model.tokenizer is None:
@@ -295,6 +301,8 @@ class Engine:
         self.max_queue = check_int("max_queue", max_queue, 0, INT32_LIMIT)
         self.prefill_chunk = check_int("prefill_chunk", prefill_chunk, 1, INT32_LIMIT)
         self.block = check_int("block", block, 1, 256)
+        self.max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1, INT32_LIMIT)
+        self.stream_interval = check_int("stream_interval", stream_interval, 1, INT32_LIMIT)
         specs = getattr(spec, "specs", (spec,))
         if any(s.policy.retention is not None and s.policy.retention.observes_prompt for s in specs):
             raise JaxkvError(
