@@ -1,4 +1,4 @@
-"""Prompts in and replies out: chat-template wrapping, empty prompt -> BOS, token-id checks, stop strings, reply text."""
+"""Prompts in and replies out: chat-template encoding of a message list, empty prompt -> BOS, token-id checks, stop strings, reply text."""
 
 from __future__ import annotations
 
@@ -22,14 +22,34 @@ def encode_prompt(tokenizer, prompt: str, *, chat: bool = False) -> list[int]:
       JaxkvError: an empty prompt and a tokenizer without BOS; no chat template (with ``chat``).
     """
     if chat:
-        ids = tokenizer.encode(prompt_text(tokenizer, prompt, chat=True), add_bos=False)
-    else:
-        ids = tokenizer.encode(prompt)
-    if not ids:
-        if tokenizer.bos_id is None:
-            raise JaxkvError("empty prompt and the tokenizer has no BOS token to start from")
-        ids = [tokenizer.bos_id]
-    return ids
+        return encode_messages(tokenizer, [{"role": "user", "content": prompt}])
+    return _bos_if_empty(tokenizer, tokenizer.encode(prompt))
+
+
+def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Token ids of a conversation rendered by the tokenizer's chat template with the
+    generation prompt, as the model reads it (``jaxkv sample --chat`` and ``jaxkv serve``'s
+    ``/v1/chat/completions`` encode prompts with it).
+
+    Args:
+      tokenizer: the model's :class:`~jaxkv.io.tokenizer.Tokenizer`.
+      messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+    Returns:
+      the ids: the template writes any BOS itself (none is added); a rendering that encodes to
+      no tokens is BOS alone.
+    Raises:
+      JaxkvError: no chat template, a template that rejects the messages, or nothing to encode
+      and no BOS.
+    """
+    return _bos_if_empty(tokenizer, tokenizer.encode(tokenizer.apply_chat_template(list(messages)), add_bos=False))
+
+
+def _bos_if_empty(tokenizer, ids: list[int]) -> list[int]:
+    if ids:
+        return ids
+    if tokenizer.bos_id is None:
+        raise JaxkvError("empty prompt and the tokenizer has no BOS token to start from")
+    return [tokenizer.bos_id]
 
 
 def prompt_text(tokenizer, prompt: str, *, chat: bool = False) -> str:
