@@ -2,15 +2,16 @@
 
 :func:`create_app` returns a Starlette app with ``POST /v1/chat/completions``,
 ``POST /v1/completions`` (both streaming over SSE or not), ``GET /v1/models``,
-``GET /health`` and ``GET /metrics``. It is thin: it validates a request's JSON itself
-(every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}``, never a
-framework's own shape), turns it into prompt ids and :class:`SamplingParams`, submits it
-to the engine and relays the engine's events. docs/SERVING.md describes what is accepted
-and what is refused.
+``GET /health`` and ``GET /metrics``. It is thin: a request body is validated by the
+pydantic models of :mod:`jaxkv.serve.protocol` and turned into prompt ids and
+:class:`~jaxkv.serve.engine.SamplingParams`, submitted to the engine, and the engine's events
+are relayed. One exception handler answers every refusal in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}`` (never a framework's own).
+docs/SERVING.md describes what is accepted and what is refused.
 
-Decisions where OpenAI's contract is silent follow llama-server or vLLM: unknown fields are
-ignored; ``top_k`` (an extension) of 0 or -1 means off; the engine's ``interrupted``
-(server shutdown) is reported as ``length``; ``/health`` and ``/metrics`` need no API key.
+The handlers are module-level functions; what they share (the engine, the model's name, the
+metrics, the shutdown) is :class:`Serving`, at ``app.state.serving``. ``/health`` and
+``/metrics`` need no API key.
 """
 
 from __future__ import annotations
@@ -19,17 +20,15 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import json
-import math
-import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -37,12 +36,29 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jaxkv.decode.prompt import encode_prompt
-from jaxkv.decode.sampler import SEED_LIMIT
-from jaxkv.errors import INT32_LIMIT, JaxkvError
-from jaxkv.serve.engine import EngineStopped, QueueFullError, SamplingParams
+from jaxkv.decode.prompt import check_token_ids, encode_messages, encode_prompt
+from jaxkv.errors import JaxkvError
+from jaxkv.serve.engine import ContextLengthError, EngineStopped, QueueFullError, SamplingParams
+from jaxkv.serve.protocol import (
+    FINISH_REASONS,
+    ApiError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    ModelCard,
+    ModelList,
+    Usage,
+    parse_body,
+)
 
-__all__ = ["DEFAULT_MAX_TOKENS", "FINISH_REASONS", "MAX_BODY_BYTES", "ApiError", "create_app"]
+__all__ = ["DEFAULT_MAX_TOKENS", "MAX_BODY_BYTES", "METRICS", "Serving", "create_app"]
 
 DEFAULT_MAX_TOKENS = 256
 """Tokens generated when a request gives no ``max_tokens`` (less when a full cache holds fewer)."""
@@ -50,14 +66,6 @@ DEFAULT_MAX_TOKENS = 256
 MAX_BODY_BYTES = 32 << 20
 """Largest request body accepted (413 beyond it)."""
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "interrupted": "length", "cancelled": "stop"}
-"""The engine's finish reason -> the one a client sees. ``interrupted`` (the server shut down
-mid-request) reads as ``length``: the reply was cut short, not finished by the model.
-``cancelled`` follows a client's disconnect, so no client ever sees it. An ``error`` finish
-is a 500 (non-streaming) or an error object in the stream (then ``[DONE]``)."""
-
-MAX_STOP = 4  # OpenAI: "up to 4 sequences"
-ROLES = ("system", "user", "assistant")
 _STREAM_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -65,402 +73,81 @@ _STREAM_HEADERS = [
 ]
 
 
-class ApiError(Exception):
-    """An error answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
-
-    Attributes:
-      status: the HTTP status. message: what is wrong and what would be accepted.
-      param: the request field at fault (``messages[1].content``), or None.
-      code: OpenAI's machine-readable code (``invalid_api_key``, ``model_not_found``, ...), or None.
-      type: ``invalid_request_error`` for 4xx, ``server_error`` for 5xx unless given.
-      headers: extra response headers (``Retry-After``).
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        """The JSON body of the error response."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        """The error as a Starlette response."""
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-# ---- request body: JSON, fields ----------------------------------------------------------------
-
-
-class _NonFinite:
-    """What a NaN, Infinity or -Infinity of the body parses to (refused by :func:`_check_finite`)."""
-
-    def __init__(self, text: str):
-        self.text = text
-
-
-async def _read_json(request: Request) -> dict:
-    """The request body as a JSON object: UTF-8, valid JSON (no NaN or infinities), at most
-    :data:`MAX_BODY_BYTES`.
-
-    Raises:
-      ApiError: 400 (413 for a body too large) naming what is wrong.
-    """
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ApiError(
-            400, f"request body is not valid UTF-8 (byte {e.start}): send JSON encoded as UTF-8", code="invalid_json"
-        ) from None
-    try:
-        body = json.loads(text, parse_constant=_NonFinite)
-        if not isinstance(body, dict):
-            raise ApiError(400, f"request body must be a JSON object, got {_json_type(body)}", code="invalid_json")
-        _check_values(body, "")
-    except json.JSONDecodeError as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:
-        raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
-    return body
-
-
-def _check_values(value, path: str) -> None:
-    """Refuse NaN, Infinity, -Infinity, numbers too large for a double (1e999) and strings that
-    are not Unicode text (a lone surrogate such as ``"\\ud800"``) anywhere in ``value``."""
-    if isinstance(value, _NonFinite) or (isinstance(value, float) and not math.isfinite(value)):
-        shown = value.text if isinstance(value, _NonFinite) else "a number beyond a double's range"
-        raise ApiError(
-            400,
-            f"{path or 'body'}: {shown} is not valid JSON (numbers must be finite)",
-            param=path or None,
-            code="invalid_json",
-        )
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ApiError(
-                400,
-                f"{path}: not Unicode text (a lone surrogate \\u{ord(value[e.start]):04x} at character {e.start})",
-                param=path,
-                code="invalid_value",
-            ) from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_values(k, path or "body")
-            _check_values(v, f"{path}.{k}" if path else k)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_values(v, f"{path}[{i}]")
-
-
-def _json_type(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _bad(name: str, value, expected: str, code: str = "invalid_value") -> ApiError:
-    shown = json.dumps(value) if not isinstance(value, (dict, list)) else _json_type(value)
-    return ApiError(400, f"{name}: {shown} is not valid: expected {expected}", param=name, code=code)
-
-
-def _int_field(body: dict, name: str, lo: int, hi: int, default=None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_int(value):
-        raise _bad(name, value, f"an integer in [{lo}, {hi}]", "invalid_type")
-    if not lo <= value <= hi:
-        raise _bad(name, value, f"an integer in [{lo}, {hi}]")
-    return value
-
-
-def _bool_field(body: dict, name: str, default: bool = False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _bad(name, value, "a boolean", "invalid_type")
-    return value
-
-
-def _number_field(body: dict, name: str, default, check: Callable[[float], bool], expected: str):
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_number(value):
-        raise _bad(name, value, expected, "invalid_type")
-    if not check(value):
-        raise _bad(name, value, expected)
-    return float(value)
-
-
-def _unsupported(name: str, why: str) -> ApiError:
-    return ApiError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
-
-
-def _refuse_unsupported(body: dict, *, chat: bool) -> None:
-    """Refuse by name the OpenAI features this server does not implement (rather than ignore them)."""
-    for name in ("tools", "functions"):
-        if body.get(name) not in (None, []):
-            raise _unsupported(name, "tool and function calling is not supported by this server")
-    if body.get("tool_choice") not in (None, "none"):
-        raise _unsupported("tool_choice", "tool calling is not supported by this server")
-    if body.get("function_call") not in (None, "none"):
-        raise _unsupported("function_call", "function calling is not supported by this server")
-    for name in ("logprobs", "top_logprobs"):  # chat: logprobs a boolean; completions: an integer
-        if body.get(name) not in (None, False, 0):
-            raise _unsupported(name, "log probabilities are not supported by this server")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _unsupported("response_format", 'only {"type": "text"} is supported (no JSON mode or schemas)')
-    n = body.get("n")
-    if n is not None:
-        if not _is_int(n):
-            raise _bad("n", n, "1", "invalid_type")
-        if n != 1:
-            raise ApiError(
-                400,
-                f"n: {n} is not supported: this server returns one choice per request (n=1)",
-                param="n",
-                code="unsupported_value",
-            )
-    logit_bias = body.get("logit_bias")
-    if logit_bias is not None:
-        if not isinstance(logit_bias, dict):
-            raise _bad("logit_bias", logit_bias, "an object", "invalid_type")
-        if logit_bias:
-            raise _unsupported("logit_bias", "logit biases are not supported by this server")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = body.get(name)
-        if value is not None and not _is_number(value):
-            raise _bad(name, value, "a number (only 0 is supported)", "invalid_type")
-        if value:
-            raise _unsupported(name, f"{value} is not supported: repetition penalties are not implemented (only 0)")
-    if not chat:
-        if body.get("echo") not in (None, False):
-            raise _unsupported("echo", "echoing the prompt is not supported by this server")
-        best_of = body.get("best_of")
-        if best_of is not None and (not _is_int(best_of) or best_of != 1):
-            raise _unsupported("best_of", f"{json.dumps(best_of)} is not supported (only 1)")
-        if body.get("suffix") not in (None, ""):
-            raise _unsupported("suffix", "insertion (a suffix) is not supported by this server")
-
-
-def _stops(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    items = [stop] if isinstance(stop, str) else stop
-    if not isinstance(items, list):
-        raise _bad("stop", stop, f"a string or an array of up to {MAX_STOP} strings", "invalid_type")
-    if len(items) > MAX_STOP:
-        raise ApiError(
-            400,
-            f"stop: {len(items)} stop sequences given; at most {MAX_STOP} are allowed",
-            param="stop",
-            code="invalid_value",
-        )
-    for s in items:
-        if not isinstance(s, str) or not s:
-            raise _bad("stop", s, "non-empty strings")
-    return tuple(items)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Parsed:
-    """A validated request: prompt ids (and the field they came from), sampling fields, streaming options."""
-
-    prompt_ids: list[int]
-    prompt_field: str
-    max_tokens: int | None
-    max_tokens_field: str
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    seed: int | None
-    stop: tuple[str, ...]
-    ignore_eos: bool
-    stream: bool
-    include_usage: bool
-
-
-def _common_fields(body: dict, *, chat: bool) -> dict:
-    """The sampling and streaming fields both endpoints share, validated (prompt apart)."""
-    _refuse_unsupported(body, chat=chat)
-    max_tokens_field = "max_tokens"
-    max_tokens = _int_field(body, "max_tokens", 1, INT32_LIMIT - 1)
-    if chat and body.get("max_completion_tokens") is not None:
-        max_tokens_field = "max_completion_tokens"
-        max_tokens = _int_field(body, "max_completion_tokens", 1, INT32_LIMIT - 1)
-    temperature = _number_field(body, "temperature", 1.0, lambda t: 0 <= t <= 2, "a number in [0, 2]")
-    top_p = _number_field(body, "top_p", None, lambda p: 0 < p <= 1, "a number in (0, 1]")
-    top_k = body.get("top_k")
-    if top_k is not None:
-        if not _is_int(top_k):
-            raise _bad("top_k", top_k, "an integer >= 1 (0 or -1: off)", "invalid_type")
-        if top_k < -1 or top_k > INT32_LIMIT - 1:
-            raise _bad("top_k", top_k, "an integer >= 1 (0 or -1: off)")
-        top_k = top_k if top_k >= 1 else None
-    seed = _int_field(body, "seed", 0, SEED_LIMIT - 1)
-    stream = _bool_field(body, "stream")
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not isinstance(options, dict):
-            raise _bad("stream_options", options, "an object", "invalid_type")
-        if not stream:
-            raise ApiError(
-                400, "stream_options: only allowed when stream is true", param="stream_options", code="invalid_value"
-            )
-        usage = options.get("include_usage")
-        if usage is not None and not isinstance(usage, bool):
-            raise _bad("stream_options.include_usage", usage, "a boolean", "invalid_type")
-        include_usage = bool(usage)
-    return dict(
-        max_tokens=max_tokens,
-        max_tokens_field=max_tokens_field,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=None if top_p == 1 else top_p,
-        seed=seed,
-        stop=_stops(body),
-        ignore_eos=_bool_field(body, "ignore_eos"),
-        stream=stream,
-        include_usage=include_usage,
-    )
-
-
-def _messages(body: dict) -> list[dict]:
-    """``messages`` as ``[{"role", "content": str}]`` for the chat template."""
-    messages = body.get("messages")
-    if messages is None:
-        raise ApiError(400, "messages: required", param="messages", code="missing_required_parameter")
-    if not isinstance(messages, list):
-        raise _bad("messages", messages, "an array of messages", "invalid_type")
-    if not messages:
-        raise ApiError(
-            400, "messages: an empty array; give at least one message", param="messages", code="invalid_value"
-        )
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(where, m, 'an object {"role": ..., "content": ...}', "invalid_type")
-        role = m.get("role")
-        if role not in ROLES:
-            raise ApiError(
-                400,
-                f"{where}.role: {json.dumps(role)} is not supported: expected one of {', '.join(ROLES)}",
-                param=f"{where}.role",
-                code="invalid_value",
-            )
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                pwhere = f"{where}.content[{j}]"
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    shown = part.get("type") if isinstance(part, dict) else part
-                    raise ApiError(
-                        400,
-                        f"{pwhere}.type: {json.dumps(shown) if isinstance(shown, str) else _json_type(shown)} "
-                        'is not supported: only text parts {"type": "text", "text": ...}',
-                        param=f"{pwhere}.type",
-                        code="invalid_value",
-                    )
-                if not isinstance(part.get("text"), str):
-                    raise _bad(f"{pwhere}.text", part.get("text"), "a string", "invalid_type")
-                texts.append(part["text"])
-            content = "\n".join(texts)  # as vLLM joins text parts
-        elif not isinstance(content, str):
-            raise _bad(f"{where}.content", content, "a string or an array of text parts", "invalid_type")
-        out.append({"role": role, "content": content})
-    return out
-
-
-def _completion_prompt(body: dict):
-    """``prompt`` as text or a list of token ids (one prompt only)."""
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise ApiError(400, "prompt: required", param="prompt", code="missing_required_parameter")
-    if isinstance(prompt, str):
-        return prompt
-    expected = "a string, an array of token ids, or an array holding one of them"
-    if not isinstance(prompt, list) or not prompt:
-        raise _bad("prompt", prompt, expected, "invalid_type")
-    if all(_is_int(t) for t in prompt):
-        return prompt
-    if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(
-            400,
-            f"prompt: {len(prompt)} prompts given; this server takes one prompt per request",
-            param="prompt",
-            code="unsupported_value",
-        )
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
-    if len(prompt) == 1 and isinstance(prompt[0], list) and prompt[0] and all(_is_int(t) for t in prompt[0]):
-        return prompt[0]
-    raise _bad("prompt", prompt, expected, "invalid_type")
-
-
 # ---- metrics ------------------------------------------------------------------------------------
 
 
-class _EngineCollector:
-    """Gauges and counters read from ``engine.stats()`` at scrape time."""
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """One ``/metrics`` metric.
 
-    GAUGES = (
-        ("queue_depth", "jaxkv_queue_depth", "requests waiting for a decode slot"),
-        ("busy_slots", "jaxkv_busy_slots", "decode slots serving a request"),
-        ("slots", "jaxkv_slots", "decode slots (requests decoded together)"),
-        ("kv_bytes", "jaxkv_kv_cache_bytes", "bytes of the batched KV cache"),
-        ("prefix_entries", "jaxkv_prefix_cache_entries", "prompts held by the prefix cache"),
-        ("prefix_bytes", "jaxkv_prefix_cache_bytes", "bytes held by the prefix cache"),
-    )
-    COUNTERS = (
-        ("prefix_hits", "jaxkv_prefix_cache_hits", "requests whose prompt started with a cached prefix"),
-        ("prefix_misses", "jaxkv_prefix_cache_misses", "requests whose prompt found no cached prefix"),
-        ("prompt_tokens_total", "jaxkv_prompt_tokens", "prompt tokens of submitted requests"),
-        ("cached_tokens_total", "jaxkv_cached_tokens", "prompt tokens taken from the prefix cache"),
-        ("completion_tokens_total", "jaxkv_completion_tokens", "tokens generated"),
-        ("prefill_tokens_total", "jaxkv_prefill_tokens", "prompt tokens prefilled (not from the prefix cache)"),
-        ("prefill_seconds_total", "jaxkv_prefill_seconds", "seconds spent prefilling"),
-        ("decode_steps_total", "jaxkv_decode_steps", "batched decode steps run"),
-        ("decode_seconds_total", "jaxkv_decode_seconds", "seconds spent in batched decode steps"),
-    )
+    Attributes:
+      name: its Prometheus name (a counter's ``_total`` is added by prometheus_client).
+      kind: ``counter``, ``gauge`` or ``histogram``.
+      doc: its help text.
+      key: for an engine metric, its key in ``engine.stats()`` (read at each scrape); for the
+        app's own, its key in :class:`_Metrics` (``metrics["ttft"]``).
+      engine: whether the engine reports it (else the app counts it).
+      labels: label names. buckets: a histogram's buckets, seconds.
+    """
+
+    name: str
+    kind: str
+    doc: str
+    key: str
+    engine: bool = True
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+METRICS = (
+    Metric("jaxkv_requests", "counter", "HTTP requests to /v1/* by response status", "requests", False, ("status",)),
+    Metric(
+        "jaxkv_finished_requests",
+        "counter",
+        "requests the engine ended, by its finish reason",
+        "finished",
+        False,
+        ("reason",),
+    ),
+    Metric(
+        "jaxkv_time_to_first_token_seconds",
+        "histogram",
+        "seconds from a request's arrival to its first generated token",
+        "ttft",
+        False,
+        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+    ),
+    Metric(
+        "jaxkv_inter_token_latency_seconds",
+        "histogram",
+        "seconds between generated tokens of a request (a block of k tokens: its gap / k, k times)",
+        "itl",
+        False,
+        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+    ),
+    Metric("jaxkv_queue_depth", "gauge", "requests waiting for a decode slot", "queue_depth"),
+    Metric("jaxkv_busy_slots", "gauge", "decode slots serving a request", "busy_slots"),
+    Metric("jaxkv_slots", "gauge", "decode slots (requests decoded together)", "slots"),
+    Metric("jaxkv_kv_cache_bytes", "gauge", "bytes of the batched KV cache", "kv_bytes"),
+    Metric("jaxkv_prefix_cache_entries", "gauge", "prompts held by the prefix cache", "prefix_entries"),
+    Metric("jaxkv_prefix_cache_bytes", "gauge", "bytes held by the prefix cache", "prefix_bytes"),
+    Metric("jaxkv_prefix_cache_hits", "counter", "requests whose prompt started with a cached prefix", "prefix_hits"),
+    Metric("jaxkv_prefix_cache_misses", "counter", "requests whose prompt found no cached prefix", "prefix_misses"),
+    Metric("jaxkv_prompt_tokens", "counter", "prompt tokens of submitted requests", "prompt_tokens_total"),
+    Metric("jaxkv_cached_tokens", "counter", "prompt tokens taken from the prefix cache", "cached_tokens_total"),
+    Metric("jaxkv_completion_tokens", "counter", "tokens generated", "completion_tokens_total"),
+    Metric(
+        "jaxkv_prefill_tokens", "counter", "prompt tokens prefilled (not from the prefix cache)", "prefill_tokens_total"
+    ),
+    Metric("jaxkv_prefill_seconds", "counter", "seconds spent prefilling", "prefill_seconds_total"),
+    Metric("jaxkv_decode_steps", "counter", "batched decode steps run", "decode_steps_total"),
+    Metric("jaxkv_decode_seconds", "counter", "seconds spent in batched decode steps", "decode_seconds_total"),
+)
+"""Every metric of ``/metrics`` (docs/SERVING.md lists them): the one table of their names."""
+
+
+class _EngineCollector:
+    """The engine's metrics of :data:`METRICS`, read from ``engine.stats()`` at scrape time."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -470,41 +157,138 @@ class _EngineCollector:
             stats = self.engine.stats()
         except Exception:  # an engine that cannot report (yet) leaves its metrics out of this scrape
             return
-        for key, name, doc in self.GAUGES:
-            if key in stats:
-                yield GaugeMetricFamily(name, doc, value=stats[key])
-        for key, name, doc in self.COUNTERS:
-            if key in stats:
-                yield CounterMetricFamily(name, doc, value=stats[key])
+        for m in METRICS:
+            if m.engine and m.key in stats:
+                family = GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily
+                yield family(m.name, m.doc, value=stats[m.key])
 
 
 class _Metrics:
-    """The app's own Prometheus registry: request counts by status, finish reasons, latencies."""
+    """The app's own Prometheus registry: its metrics of :data:`METRICS` by key
+    (``metrics["requests"]``), and the engine's through :class:`_EngineCollector`."""
 
     def __init__(self, engine):
         self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "jaxkv_requests", "HTTP requests to /v1/* by response status", ["status"], registry=self.registry
-        )
-        self.finished = Counter(
-            "jaxkv_finished_requests",
-            "requests the engine ended, by its finish reason",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.ttft = Histogram(
-            "jaxkv_time_to_first_token_seconds",
-            "seconds from a request's arrival to its first generated token",
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
-            registry=self.registry,
-        )
-        self.itl = Histogram(
-            "jaxkv_inter_token_latency_seconds",
-            "seconds between generated tokens of a request (a block of k tokens: its gap / k, k times)",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-            registry=self.registry,
-        )
+        self._own = {}
+        for m in METRICS:
+            if m.engine:
+                continue
+            if m.kind == "histogram":
+                self._own[m.key] = Histogram(m.name, m.doc, buckets=m.buckets, registry=self.registry)
+            else:
+                self._own[m.key] = Counter(m.name, m.doc, m.labels, registry=self.registry)
         self.registry.register(_EngineCollector(engine))
+
+    def __getitem__(self, key: str):
+        return self._own[key]
+
+
+# ---- what the handlers share --------------------------------------------------------------------
+
+
+class _Shutdown:
+    """``engine.shutdown(timeout)`` once, in a thread: begun by a signal or the lifespan's end."""
+
+    def __init__(self, engine, timeout: float):
+        self.engine, self.timeout = engine, timeout
+        self.lock = threading.RLock()  # a second signal may arrive inside the first one's handler
+        self.thread: threading.Thread | None = None
+
+    @property
+    def begun(self) -> bool:
+        return self.thread is not None
+
+    def begin(self) -> threading.Thread:
+        """Start shutting the engine down (no-op if begun): new requests get 503, in-flight ones
+        up to the timeout, then end with finish reason ``interrupted``."""
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self.engine.shutdown, args=(self.timeout,), name="jaxkv-serve-shutdown", daemon=True
+                )
+                self.thread.start()
+            return self.thread
+
+
+@dataclasses.dataclass
+class Serving:
+    """What the handlers share (``app.state.serving``).
+
+    Attributes:
+      engine: the :class:`~jaxkv.serve.engine.Engine`. model_name: the model id clients pass.
+      default_max_tokens: ``max_tokens`` of a request that gives none (a full cache: at most what fits).
+      metrics: the app's registry. shutdown: ``begin()`` starts the engine's shutdown.
+      created: the model card's ``created``, seconds since the epoch.
+    """
+
+    engine: object
+    model_name: str
+    default_max_tokens: int
+    metrics: _Metrics
+    shutdown: _Shutdown
+    created: int
+
+    @property
+    def token_limit(self) -> int | None:
+        """Tokens per request (prompt and reply) of a full cache; None: a bounded cache takes any length."""
+        return getattr(self.engine.spec, "token_limit", None)
+
+    def check_model(self, name: str | None) -> None:
+        """Raise a 404 (``model_not_found``) for a model other than this one (None: this one)."""
+        if name is not None and name != self.model_name:
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist: this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    def model_card(self) -> ModelCard:
+        """The served model as ``/v1/models`` lists it, with how it is served (``jaxkv``)."""
+        return ModelCard(
+            id=self.model_name,
+            created=self.created,
+            jaxkv={
+                "cache": self.engine.spec.describe(),
+                "slots": self.engine.slots,
+                "max_tokens_per_request": self.token_limit,
+            },
+        )
+
+    def submit(self, ids: list[int], body: ChatCompletionRequest | CompletionRequest, arrived: float) -> _Call:
+        """Submit a validated request to the engine.
+
+        Raises:
+          ApiError: 400 ``context_length_exceeded`` (the engine's :class:`ContextLengthError`: ``param``
+            the prompt's field when the prompt alone fills the cache, else the ``max_tokens`` field),
+          429 ``rate_limit_exceeded`` (queue full, with ``Retry-After``), 503 ``server_shutting_down``.
+        """
+        default = self.default_max_tokens
+        if self.token_limit is not None:
+            default = max(1, min(default, self.token_limit - len(ids)))
+        params = body.to_sampling_params(default_max_tokens=default)
+        try:
+            return _Call(self.engine, ids, params, self.metrics, arrived)
+        except ContextLengthError as e:
+            if e.prompt_tokens >= e.limit:
+                what = "messages are" if body.prompt_field == "messages" else "prompt is"
+                raise ApiError(
+                    400,
+                    f"This server's cache holds {e.limit} tokens per request (prompt and reply); the {what} "
+                    f"{e.prompt_tokens} tokens. Shorten the prompt, or serve with a larger (or a bounded, "
+                    "StreamingLLM) cache.",
+                    param=body.prompt_field,
+                    code="context_length_exceeded",
+                ) from None
+            raise ApiError(
+                400, f"{body.max_tokens_field}: {e}", param=body.max_tokens_field, code="context_length_exceeded"
+            ) from None
+        except QueueFullError as e:
+            raise ApiError(
+                429, f"the server is busy: {e}", code="rate_limit_exceeded", headers={"Retry-After": "1"}
+            ) from None
+        except EngineStopped:
+            raise ApiError(503, "the server is shutting down", code="server_shutting_down") from None
 
 
 # ---- one request's events -----------------------------------------------------------------------
@@ -532,14 +316,14 @@ class _Call:
             n = len(event.token_ids)
             if n:
                 if self.last is None:
-                    self.metrics.ttft.observe(t - self.arrived)
+                    self.metrics["ttft"].observe(t - self.arrived)
                 else:
                     for _ in range(n):
-                        self.metrics.itl.observe((t - self.last) / n)
+                        self.metrics["itl"].observe((t - self.last) / n)
                 self.last = t
             if event.finish_reason is not None:
                 self.finished = True
-                self.metrics.finished.labels(event.finish_reason).inc()
+                self.metrics["finished"].labels(event.finish_reason).inc()
             yield event
 
     def cancel(self) -> None:
@@ -575,7 +359,7 @@ class _CallResponse:
                 try:
                     body = b"".join([c async for c in self.chunks])
                 except ApiError as e:  # the engine ended the request with an error
-                    await e.response()(scope, receive, send)
+                    await _error_json(e)(scope, receive, send)
                     return
                 await send(
                     {
@@ -596,44 +380,227 @@ class _CallResponse:
             await self.chunks.aclose()
 
 
-def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+def _sse(body: BaseModel, *, exclude: set[str] | None = None) -> bytes:
+    return b"data: " + body.model_dump_json(exclude=exclude).encode() + b"\n\n"
 
 
-def _usage(event) -> dict:
-    return {
-        "prompt_tokens": event.prompt_tokens,
-        "completion_tokens": event.completion_tokens,
-        "total_tokens": event.prompt_tokens + event.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": event.cached_tokens},
-    }
+def _engine_failed(event) -> ApiError:
+    return ApiError(500, f"the engine failed while serving this request: {event.error}")
 
 
-# ---- the app ------------------------------------------------------------------------------------
+# ---- the two completion endpoints ---------------------------------------------------------------
 
 
-class _Shutdown:
-    """``engine.shutdown(timeout)`` once, in a thread: begun by a signal or the lifespan's end."""
+class _Completions:
+    """``POST /v1/completions``: a prompt's ids, and the completion's bodies."""
 
-    def __init__(self, engine, timeout: float):
-        self.engine, self.timeout = engine, timeout
-        self.lock = threading.RLock()  # a second signal may arrive inside the first one's handler
-        self.thread: threading.Thread | None = None
+    request_model = CompletionRequest
+    id_prefix = "cmpl"
 
-    @property
-    def begun(self) -> bool:
-        return self.thread is not None
+    async def prompt_ids(self, serving: Serving, body: CompletionRequest) -> list[int]:
+        """The ids of ``prompt`` (text encoded as :func:`jaxkv.sample` encodes it, or ids checked)."""
+        try:
+            if isinstance(body.prompt, str):
+                return await run_in_threadpool(encode_prompt, serving.engine.model.tokenizer, body.prompt)
+            check_token_ids(body.prompt, serving.engine.model.config.vocab_size)
+            return list(body.prompt)
+        except JaxkvError as e:
+            raise ApiError(400, f"prompt: {e}", param="prompt", code="invalid_value") from None
 
-    def begin(self) -> threading.Thread:
-        """Start shutting the engine down (no-op if begun): new requests get 503, in-flight ones
-        up to the timeout, then end with finish reason ``interrupted``."""
-        with self.lock:
-            if self.thread is None:
-                self.thread = threading.Thread(
-                    target=self.engine.shutdown, args=(self.timeout,), name="jaxkv-serve-shutdown", daemon=True
-                )
-                self.thread.start()
-            return self.thread
+    def response(self, head: dict, text: str, finish: str, usage: Usage) -> CompletionResponse:
+        return CompletionResponse(**head, choices=[CompletionChoice(text=text, finish_reason=finish)], usage=usage)
+
+    def first_chunk(self, head: dict) -> CompletionResponse | None:
+        return None
+
+    def chunk(self, head: dict, text: str | None, finish: str | None = None) -> CompletionResponse:
+        return CompletionResponse(**head, choices=[CompletionChoice(text=text or "", finish_reason=finish)])
+
+    def usage_chunk(self, head: dict, usage: Usage) -> CompletionResponse:
+        return CompletionResponse(**head, choices=[], usage=usage)
+
+
+class _ChatCompletions:
+    """``POST /v1/chat/completions``: the messages' ids (the chat template), and the chat's bodies."""
+
+    request_model = ChatCompletionRequest
+    id_prefix = "chatcmpl"
+
+    async def prompt_ids(self, serving: Serving, body: ChatCompletionRequest) -> list[int]:
+        """The ids of ``messages`` rendered by the model's chat template (:func:`encode_messages`)."""
+        tokenizer = serving.engine.model.tokenizer
+        if tokenizer.chat_template is None:
+            raise ApiError(
+                400,
+                f"model `{serving.model_name}` has no chat template: use /v1/completions with a prompt",
+                param="messages",
+                code="model_not_supported",
+            )
+        try:
+            return await run_in_threadpool(encode_messages, tokenizer, body.conversation())
+        except JaxkvError as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from None
+
+    def response(self, head: dict, text: str, finish: str, usage: Usage) -> ChatCompletionResponse:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)
+        return ChatCompletionResponse(**head, choices=[choice], usage=usage)
+
+    def first_chunk(self, head: dict) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=Delta(role="assistant", content=""))])
+
+    def chunk(self, head: dict, text: str | None, finish: str | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=Delta(content=text), finish_reason=finish)])
+
+    def usage_chunk(self, head: dict, usage: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**head, choices=[], usage=usage)
+
+
+_COMPLETIONS, _CHAT = _Completions(), _ChatCompletions()
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request body, at most :data:`MAX_BODY_BYTES` (413 beyond)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _complete(request: Request, endpoint: _Completions | _ChatCompletions) -> _CallResponse:
+    """Validate, encode and submit a completion request; its response relays the engine's events."""
+    arrived = time.perf_counter()
+    serving: Serving = request.app.state.serving
+    body = endpoint.request_model.model_validate(parse_body(await _read_body(request)))
+    serving.check_model(body.model)
+    ids = await endpoint.prompt_ids(serving, body)
+    if serving.shutdown.begun:
+        raise ApiError(503, "the server is shutting down", code="server_shutting_down")
+    if not serving.engine.ready:
+        raise ApiError(
+            503, "the model is loading (warming up); retry shortly", code="model_loading", headers={"Retry-After": "1"}
+        )
+    call = serving.submit(ids, body, arrived)
+    head = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": serving.model_name}
+    chunks = _stream(call, endpoint, head, body.include_usage) if body.stream else _whole(call, endpoint, head)
+    return _CallResponse(call, chunks, stream=bool(body.stream))
+
+
+async def _whole(call: _Call, endpoint, head: dict) -> AsyncIterator[bytes]:
+    """The one JSON body of a non-streamed reply, once it has finished (an engine error: ApiError 500)."""
+    texts, last = [], None
+    async for event in call.events():
+        texts.append(event.text)
+        last = event
+    if last.finish_reason == "error":
+        raise _engine_failed(last)
+    body = endpoint.response(head, "".join(texts), FINISH_REASONS[last.finish_reason], Usage.of(last))
+    yield body.model_dump_json().encode()
+
+
+async def _stream(call: _Call, endpoint, head: dict, include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed reply: a chunk per event with text, the finish reason's chunk
+    (with ``include_usage``: a usage chunk), ``[DONE]``; an engine error: one error object, then
+    ``[DONE]`` (as vLLM streams an error)."""
+    exclude = None if include_usage else {"usage"}
+    first = endpoint.first_chunk(head)
+    if first is not None:
+        yield _sse(first, exclude=exclude)
+    last = None
+    async for event in call.events():
+        last = event
+        if event.text:
+            yield _sse(endpoint.chunk(head, event.text), exclude=exclude)
+    if last.finish_reason == "error":
+        yield _sse(_engine_failed(last).body())
+    else:
+        yield _sse(endpoint.chunk(head, None, FINISH_REASONS[last.finish_reason]), exclude=exclude)
+        if include_usage:
+            yield _sse(endpoint.usage_chunk(head, Usage.of(last)))
+    yield b"data: [DONE]\n\n"
+
+
+# ---- handlers -----------------------------------------------------------------------------------
+
+
+async def chat_completions(request: Request) -> _CallResponse:
+    """``POST /v1/chat/completions`` (:class:`~jaxkv.serve.protocol.ChatCompletionRequest`)."""
+    return await _complete(request, _CHAT)
+
+
+async def completions(request: Request) -> _CallResponse:
+    """``POST /v1/completions`` (:class:`~jaxkv.serve.protocol.CompletionRequest`)."""
+    return await _complete(request, _COMPLETIONS)
+
+
+async def models(request: Request) -> JSONResponse:
+    """``GET /v1/models``: the one model served."""
+    return JSONResponse(ModelList(data=[request.app.state.serving.model_card()]).model_dump())
+
+
+async def model(request: Request) -> JSONResponse:
+    """``GET /v1/models/{model}``: the model's card, or 404 for another name."""
+    serving: Serving = request.app.state.serving
+    serving.check_model(request.path_params["model"])
+    return JSONResponse(serving.model_card().model_dump())
+
+
+async def health(request: Request) -> JSONResponse:
+    """``GET /health``: 200 ``ok``, or 503 ``loading`` (warming up) / ``stopping`` (shutting down)."""
+    serving: Serving = request.app.state.serving
+    if serving.shutdown.begun:
+        return JSONResponse({"status": "stopping"}, status_code=503)
+    if not serving.engine.ready:
+        return JSONResponse({"status": "loading"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    """``GET /metrics``: :data:`METRICS` in Prometheus' text format."""
+    data = await run_in_threadpool(generate_latest, request.app.state.serving.metrics.registry)
+    return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+
+def _error_json(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body().model_dump(), status_code=error.status, headers=error.headers)
+
+
+async def _error_response(request: Request, exc: Exception) -> JSONResponse:
+    """The one error mapping: an :class:`ApiError` as it is, a request body's ValidationError as
+    its 400 (:meth:`ApiError.from_validation`), Starlette's 404/405 in OpenAI's shape too."""
+    if isinstance(exc, ValidationError):
+        exc = ApiError.from_validation(exc)
+    elif isinstance(exc, HTTPException):
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        exc = ApiError(exc.status_code, message, headers=dict(exc.headers or {}))
+    return _error_json(exc)
+
+
+async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+    return _error_json(ApiError(500, f"internal server error: {type(exc).__name__}: {exc}"))
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/models/{model:path}", model, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app):
+    yield
+    await run_in_threadpool(app.state.serving.shutdown.begin().join)
 
 
 def create_app(
@@ -647,10 +614,11 @@ def create_app(
     """The OpenAI-compatible ASGI app serving ``engine``.
 
     The caller starts the engine (``engine.start()``, e.g. in a thread while the app already
-    answers ``/health`` with 503); the app's lifespan shutdown shuts it down. ``app.state.shutdown``
-    has ``begin()``, which starts the engine's shutdown at once (the ``jaxkv serve`` command
-    calls it on SIGTERM/SIGINT, so in-flight streams end with a finish reason before uvicorn
-    waits for their connections to close).
+    answers ``/health`` with 503); the app's lifespan shutdown shuts it down.
+    ``app.state.serving`` is its :class:`Serving`; ``app.state.serving.shutdown.begin()``
+    starts the engine's shutdown at once (the ``jaxkv serve`` command calls it on
+    SIGTERM/SIGINT, so in-flight streams end with a finish reason before uvicorn waits for
+    their connections to close).
 
     Args:
       engine: a :class:`jaxkv.serve.engine.Engine` (or anything with its interface).
@@ -664,254 +632,26 @@ def create_app(
       a Starlette app: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
       ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``.
     """
-    metrics = _Metrics(engine)
-    shutdown = _Shutdown(engine, shutdown_timeout)
-    tokenizer = engine.model.tokenizer
-    vocab = engine.model.config.vocab_size
-    token_limit = getattr(engine.spec, "token_limit", None)  # None: a StreamingLLM cache takes any length
-    created = int(time.time())
-
-    def check_model(body: dict) -> None:
-        model = body.get("model")
-        if model is None:
-            return
-        if not isinstance(model, str):
-            raise _bad("model", model, "a string", "invalid_type")
-        if model != model_name:
-            raise ApiError(
-                404,
-                f"The model `{model}` does not exist: this server serves `{model_name}`",
-                param="model",
-                code="model_not_found",
-            )
-
-    def encode_messages(messages: list[dict]) -> list[int]:
-        text = tokenizer.apply_chat_template(messages)
-        ids = tokenizer.encode(text, add_bos=False)
-        return ids or ([tokenizer.bos_id] if tokenizer.bos_id is not None else [])
-
-    async def parse(body: dict, *, chat: bool) -> _Parsed:
-        check_model(body)
-        fields = _common_fields(body, chat=chat)
-        if chat:
-            messages, prompt_field = _messages(body), "messages"
-            if tokenizer.chat_template is None:
-                raise ApiError(
-                    400,
-                    f"model `{model_name}` has no chat template: use /v1/completions with a prompt",
-                    param="messages",
-                    code="model_not_supported",
-                )
-            try:
-                ids = await run_in_threadpool(encode_messages, messages)
-            except JaxkvError as e:
-                raise ApiError(400, str(e), param="messages") from None
-        else:
-            prompt, prompt_field = _completion_prompt(body), "prompt"
-            if isinstance(prompt, str):
-                try:
-                    ids = await run_in_threadpool(encode_prompt, tokenizer, prompt)
-                except JaxkvError as e:
-                    raise ApiError(400, f"prompt: {e}", param="prompt") from None
-            else:
-                bad = next((t for t in prompt if not 0 <= t < vocab), None)
-                if bad is not None:
-                    raise ApiError(
-                        400,
-                        f"prompt: token id {bad} is outside the vocabulary [0, {vocab})",
-                        param="prompt",
-                        code="invalid_value",
-                    )
-                ids = list(prompt)
-        if not ids:
-            raise ApiError(400, f"{prompt_field}: the prompt encodes to no tokens", param=prompt_field)
-        if token_limit is not None and len(ids) >= token_limit:
-            what = "messages are" if chat else "prompt is"
-            raise ApiError(
-                400,
-                f"This server's cache holds {token_limit} tokens per request (prompt and reply); "
-                f"the {what} {len(ids)} tokens. Shorten the prompt, or serve with a larger (or a "
-                "bounded, StreamingLLM) cache.",
-                param=prompt_field,
-                code="context_length_exceeded",
-            )
-        return _Parsed(prompt_ids=ids, prompt_field=prompt_field, **fields)
-
-    def submit(p: _Parsed, arrived: float) -> _Call:
-        max_tokens = p.max_tokens
-        if max_tokens is None:
-            max_tokens = default_max_tokens
-            if token_limit is not None:
-                max_tokens = max(1, min(max_tokens, token_limit - len(p.prompt_ids)))
-        seed = p.seed if p.seed is not None else (secrets.randbelow(SEED_LIMIT) if p.temperature > 0 else 0)
-        try:
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=p.temperature,
-                top_k=p.top_k,
-                top_p=p.top_p,
-                seed=seed,
-                stop=p.stop,
-                ignore_eos=p.ignore_eos,
-            )
-            return _Call(engine, p.prompt_ids, params, metrics, arrived)
-        except QueueFullError as e:
-            raise ApiError(
-                429, f"the server is busy: {e}", code="rate_limit_exceeded", headers={"Retry-After": "1"}
-            ) from None
-        except EngineStopped:
-            raise ApiError(503, "the server is shutting down", code="server_shutting_down") from None
-        except JaxkvError as e:
-            too_long = p.max_tokens is not None and token_limit is not None
-            raise ApiError(
-                400,
-                str(e),
-                param=p.max_tokens_field if too_long else p.prompt_field,
-                code="context_length_exceeded" if too_long else None,
-            ) from None
-
-    async def completion(request: Request, *, chat: bool):
-        arrived = time.perf_counter()
-        body = await _read_json(request)
-        p = await parse(body, chat=chat)
-        if shutdown.begun:
-            raise ApiError(503, "the server is shutting down", code="server_shutting_down")
-        if not engine.ready:
-            raise ApiError(
-                503,
-                "the model is loading (warming up); retry shortly",
-                code="model_loading",
-                headers={"Retry-After": "1"},
-            )
-        call = submit(p, arrived)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        obj = "chat.completion" if chat else "text_completion"
-        base = {
-            "id": rid,
-            "object": obj + (".chunk" if chat and p.stream else ""),
-            "created": int(time.time()),
-            "model": model_name,
-            "system_fingerprint": None,
-        }
-        return _CallResponse(call, (stream_chunks if p.stream else whole)(call, base, p, chat), stream=p.stream)
-
-    async def whole(call: _Call, base: dict, p: _Parsed, chat: bool) -> AsyncIterator[bytes]:
-        texts, last = [], None
-        async for event in call.events():
-            texts.append(event.text)
-            last = event
-        if last.finish_reason == "error":
-            raise ApiError(500, f"the engine failed while serving this request: {last.error}")
-        text = "".join(texts)
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}}
-            if chat
-            else {"index": 0, "text": text}
-        )
-        choice.update(logprobs=None, finish_reason=FINISH_REASONS.get(last.finish_reason, "stop"))
-        yield json.dumps(
-            {**base, "choices": [choice], "usage": _usage(last)}, ensure_ascii=False, separators=(",", ":")
-        ).encode()
-
-    async def stream_chunks(call: _Call, base: dict, p: _Parsed, chat: bool) -> AsyncIterator[bytes]:
-        extra = {"usage": None} if p.include_usage else {}
-
-        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> bytes:
-            if chat:
-                delta = {} if text is None else {"content": text}
-                if role:
-                    delta = {"role": "assistant", "content": ""}
-                choice = {"index": 0, "delta": delta}
-            else:
-                choice = {"index": 0, "text": text or ""}
-            choice.update(logprobs=None, finish_reason=finish)
-            return _sse({**base, "choices": [choice], **extra})
-
-        if chat:
-            yield chunk("", role=True)
-        last = None
-        async for event in call.events():
-            last = event
-            if event.text:
-                yield chunk(event.text)
-        if last.finish_reason == "error":  # as vLLM streams an error: one error object, then [DONE]
-            yield _sse(ApiError(500, f"the engine failed while serving this request: {last.error}").body())
-            yield b"data: [DONE]\n\n"
-            return
-        yield chunk(None, FINISH_REASONS.get(last.finish_reason, "stop"))
-        if p.include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage(last)})
-        yield b"data: [DONE]\n\n"
-
-    async def chat_completions(request: Request):
-        return await completion(request, chat=True)
-
-    async def completions(request: Request):
-        return await completion(request, chat=False)
-
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "jaxkv"}
-
-    async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [model_card()]})
-
-    async def model(request: Request):
-        name = request.path_params["model"]
-        if name != model_name:
-            raise ApiError(
-                404,
-                f"The model `{name}` does not exist: this server serves `{model_name}`",
-                param="model",
-                code="model_not_found",
-            )
-        return JSONResponse(model_card())
-
-    async def health(request: Request):
-        if shutdown.begun:
-            return JSONResponse({"status": "stopping"}, status_code=503)
-        if not engine.ready:
-            return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    async def metrics_endpoint(request: Request):
-        data = await run_in_threadpool(generate_latest, metrics.registry)
-        return Response(data, media_type=CONTENT_TYPE_LATEST)
-
-    async def api_error(request: Request, exc: ApiError):
-        return exc.response()
-
-    async def http_error(request: Request, exc: HTTPException):
-        if exc.status_code == 404:
-            message = f"no such endpoint: {request.method} {request.url.path}"
-        elif exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
-        else:
-            message = str(exc.detail)
-        return ApiError(exc.status_code, message, headers=dict(exc.headers or {})).response()
-
-    async def server_error(request: Request, exc: Exception):
-        return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        await run_in_threadpool(shutdown.begin().join)
-
-    app = Starlette(
-        routes=[
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/v1/models/{model:path}", model, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics_endpoint, methods=["GET"]),
-        ],
-        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error},
-        lifespan=lifespan,
+    serving = Serving(
+        engine=engine,
+        model_name=model_name,
+        default_max_tokens=default_max_tokens,
+        metrics=_Metrics(engine),
+        shutdown=_Shutdown(engine, shutdown_timeout),
+        created=int(time.time()),
     )
-    app.state.shutdown = shutdown
-    app.state.metrics = metrics
-    app.add_middleware(_ApiMiddleware, metrics=metrics, api_key=api_key)
+    app = Starlette(
+        routes=ROUTES,
+        exception_handlers={
+            ApiError: _error_response,
+            ValidationError: _error_response,
+            HTTPException: _error_response,
+            Exception: _server_error,
+        },
+        lifespan=_lifespan,
+    )
+    app.state.serving = serving
+    app.add_middleware(_ApiMiddleware, metrics=serving.metrics, api_key=api_key)
     return app
 
 
@@ -931,7 +671,7 @@ class _ApiMiddleware:
             nonlocal counted
             if message["type"] == "http.response.start" and not counted:
                 counted = True
-                self.metrics.requests.labels(str(message["status"])).inc()
+                self.metrics["requests"].labels(str(message["status"])).inc()
             await send(message)
 
         if self.expected is not None:
@@ -945,5 +685,5 @@ class _ApiMiddleware:
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
-                return await error.response()(scope, receive, counting_send)
+                return await _error_json(error)(scope, receive, counting_send)
         await self.app(scope, receive, counting_send)
