@@ -1,10 +1,10 @@
 """``jaxkv serve`` end to end: a real uvicorn subprocess serving the real stories260K model,
 driven by the ``openai`` client and ``httpx`` (docs/SERVING.md).
 
-One server per module (4 slots, sink 4 + window 60, an API key) for most tests; a tiny one
-(1 slot, a queue of 1) for the queue-full and SIGTERM tests; SmolLM2 (which has a chat
-template) for the one chat test. Outputs are compared with :func:`jaxkv.sample` of the same
-prompt and cache, run in this process.
+One server per module (4 slots, no cache flags: the default cache, an API key) for most tests;
+a tiny one (1 slot, a queue of 1, sink 4 + window 60) for the queue-full and SIGTERM tests;
+SmolLM2 (which has a chat template) for the one chat test. Outputs are compared with
+:func:`jaxkv.sample` of the same prompt and cache, run in this process.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ from paths import REPO, SMOLLM2, STORIES_BIN, TOK512_MODEL
 
 import jaxkv
 from jaxkv import CacheSpec
+from jaxkv.cli import main
+from jaxkv.decode.chat import default_cache_spec
+from jaxkv.serve import engine
+from jaxkv.serve.protocol import FINISH_REASONS
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -101,7 +105,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server(*STORIES, *CACHE_FLAGS, "--slots", "4", "--api-key", KEY)
+    s = Server(*STORIES, "--slots", "4", "--api-key", KEY)  # no cache flags: the default cache
     yield s
     output = s.output()
     s.stop()
@@ -128,11 +132,13 @@ def _sse(lines) -> list:
     raise AssertionError(f"the stream ended without data: [DONE] after {len(out)} chunks")
 
 
-def _expected(model, prompt: str, n: int, **kwargs) -> str:
-    """The text :func:`jaxkv.sample` streams (``on_text``): as the server, it keeps the leading
-    space of the first token (``Generation.text`` drops it, as a plain decode of the ids does)."""
+def _expected(model, prompt: str, n: int, cache: CacheSpec | None = None, **kwargs) -> str:
+    """The text :func:`jaxkv.sample` streams (``on_text``) with ``cache`` (None: the default cache
+    of a ``jaxkv serve`` without cache flags): as the server, it keeps the leading space of the
+    first token (``Generation.text`` drops it, as a plain decode of the ids does)."""
     pieces = []
-    jaxkv.sample(model, prompt, max_new_tokens=n, cache=SPEC, on_text=pieces.append, **kwargs)
+    cache = default_cache_spec(model.config) if cache is None else cache
+    jaxkv.sample(model, prompt, max_new_tokens=n, cache=cache, on_text=pieces.append, **kwargs)
     return "".join(pieces)
 
 
@@ -276,52 +282,68 @@ def test_api_key(server):
     assert httpx.get(f"{server.url}/metrics").status_code == 200
 
 
-BAD = [  # (case, endpoint, body, status, param)
-    ("malformed JSON", "completions", b'{"prompt": "x",', 400, None),
-    ("not an object", "completions", b"[1, 2]", 400, None),
-    ("invalid UTF-8", "completions", b'{"prompt": "\xff\xfe"}', 400, None),
-    ("NaN", "completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
-    ("Infinity", "completions", b'{"prompt": "x", "max_tokens": Infinity}', 400, "max_tokens"),
-    ("1e999", "completions", b'{"prompt": "x", "top_p": 1e999}', 400, "top_p"),
-    ("lone surrogate", "completions", b'{"prompt": "a\\ud800"}', 400, "prompt"),
-    ("nested too deeply", "completions", b'{"prompt": "x", "user": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
-    ("max_tokens bool", "completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
-    ("max_tokens string", "completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
-    ("max_tokens 0", "completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ("max_tokens 2**31", "completions", {"prompt": "x", "max_tokens": 2**31}, 400, "max_tokens"),
-    ("temperature -1", "completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
-    ("temperature 2.5", "completions", {"prompt": "x", "temperature": 2.5}, 400, "temperature"),
-    ("top_p 0", "completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
-    ("top_k -2", "completions", {"prompt": "x", "top_k": -2}, 400, "top_k"),
-    ("seed 2**32", "completions", {"prompt": "x", "seed": 2**32}, 400, "seed"),
-    ("n 2", "completions", {"prompt": "x", "n": 2}, 400, "n"),
-    ("stream string", "completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+BAD = [  # (case, endpoint, body, status, param, code): the schema's answers before pydantic, kept
+    ("malformed JSON", "completions", b'{"prompt": "x",', 400, None, "invalid_json"),
+    ("not an object", "completions", b"[1, 2]", 400, None, "invalid_json"),
+    ("invalid UTF-8", "completions", b'{"prompt": "\xff\xfe"}', 400, None, "invalid_json"),
+    ("NaN", "completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature", "invalid_json"),
+    ("Infinity", "completions", b'{"prompt": "x", "max_tokens": Infinity}', 400, "max_tokens", "invalid_json"),
+    ("1e999", "completions", b'{"prompt": "x", "top_p": 1e999}', 400, "top_p", "invalid_json"),
+    ("lone surrogate", "completions", b'{"prompt": "a\\ud800"}', 400, "prompt", "invalid_value"),
+    (
+        "nested too deeply",
+        "completions",
+        b'{"prompt": "x", "user": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+        400,
+        None,
+        "invalid_json",
+    ),
+    ("max_tokens bool", "completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens", "invalid_type"),
+    ("max_tokens string", "completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "invalid_type"),
+    ("max_tokens 0", "completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("max_tokens 2**31", "completions", {"prompt": "x", "max_tokens": 2147483648}, 400, "max_tokens", "invalid_value"),
+    ("temperature -1", "completions", {"prompt": "x", "temperature": -1}, 400, "temperature", "invalid_value"),
+    ("temperature 2.5", "completions", {"prompt": "x", "temperature": 2.5}, 400, "temperature", "invalid_value"),
+    ("top_p 0", "completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
+    ("top_k -2", "completions", {"prompt": "x", "top_k": -2}, 400, "top_k", "invalid_value"),
+    ("seed 2**32", "completions", {"prompt": "x", "seed": 4294967296}, 400, "seed", "invalid_value"),
+    ("n 2", "completions", {"prompt": "x", "n": 2}, 400, "n", "unsupported_value"),
+    ("stream string", "completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "invalid_type"),
     (
         "stream_options without stream",
         "completions",
         {"prompt": "x", "stream_options": {"include_usage": True}},
         400,
         "stream_options",
+        "invalid_value",
     ),
-    ("five stops", "completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ("empty stop", "completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
-    ("two prompts", "completions", {"prompt": ["a", "b"]}, 400, "prompt"),
-    ("no prompt", "completions", {"max_tokens": 3}, 400, "prompt"),
-    ("prompt number", "completions", {"prompt": 5}, 400, "prompt"),
-    ("id outside the vocabulary", "completions", {"prompt": [1, 512]}, 400, "prompt"),
-    ("echo", "completions", {"prompt": "x", "echo": True}, 400, "echo"),
-    ("best_of", "completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
-    ("suffix", "completions", {"prompt": "x", "suffix": "end"}, 400, "suffix"),
-    ("logprobs", "completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
-    ("logit_bias", "completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
-    ("presence_penalty", "completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("unknown model", "completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("five stops", "completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+    ("empty stop", "completions", {"prompt": "x", "stop": [""]}, 400, "stop", "invalid_value"),
+    ("two prompts", "completions", {"prompt": ["a", "b"]}, 400, "prompt", "unsupported_value"),
+    ("no prompt", "completions", {"max_tokens": 3}, 400, "prompt", "missing_required_parameter"),
+    ("prompt number", "completions", {"prompt": 5}, 400, "prompt", "invalid_type"),
+    ("id outside the vocabulary", "completions", {"prompt": [1, 512]}, 400, "prompt", "invalid_value"),
+    ("echo", "completions", {"prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("best_of", "completions", {"prompt": "x", "best_of": 2}, 400, "best_of", "unsupported_parameter"),
+    ("suffix", "completions", {"prompt": "x", "suffix": "end"}, 400, "suffix", "unsupported_parameter"),
+    ("logprobs", "completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
+    ("logit_bias", "completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
+    (
+        "presence_penalty",
+        "completions",
+        {"prompt": "x", "presence_penalty": 0.5},
+        400,
+        "presence_penalty",
+        "unsupported_parameter",
+    ),
+    ("unknown model", "completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
     (
         "tools",
         "chat/completions",
         {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
         400,
         "tools",
+        "unsupported_parameter",
     ),
     (
         "chat logprobs",
@@ -329,6 +351,7 @@ BAD = [  # (case, endpoint, body, status, param)
         {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
         400,
         "logprobs",
+        "unsupported_parameter",
     ),
     (
         "response_format",
@@ -336,22 +359,38 @@ BAD = [  # (case, endpoint, body, status, param)
         {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
         400,
         "response_format",
+        "unsupported_parameter",
     ),
-    ("no messages", "chat/completions", {"model": "stories260K"}, 400, "messages"),
-    ("tool role", "chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ("no messages", "chat/completions", {"model": "stories260K"}, 400, "messages", "missing_required_parameter"),
+    (
+        "tool role",
+        "chat/completions",
+        {"messages": [{"role": "tool", "content": "x"}]},
+        400,
+        "messages[0].role",
+        "invalid_value",
+    ),
     (
         "image part",
         "chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         400,
         "messages[0].content[0].type",
+        "invalid_value",
     ),
-    ("no chat template", "chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "messages"),
+    (
+        "no chat template",
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}]},
+        400,
+        "messages",
+        "model_not_supported",
+    ),
 ]
 
 
-@pytest.mark.parametrize("case, endpoint, body, status, param", BAD, ids=[b[0] for b in BAD])
-def test_bad_request(server, case, endpoint, body, status, param):
+@pytest.mark.parametrize("case, endpoint, body, status, param, code", BAD, ids=[b[0] for b in BAD])
+def test_bad_request(server, case, endpoint, body, status, param, code):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(f"{server.url}/v1/{endpoint}", content=data, headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == status, r.text
@@ -360,6 +399,7 @@ def test_bad_request(server, case, endpoint, body, status, param):
     assert error["param"] == param and error["message"]
     if status == 404:
         assert error["code"] == "model_not_found"
+    assert error["code"] == code
 
 
 def test_serves_after_bad_requests(server):
@@ -382,16 +422,27 @@ def test_serves_after_bad_requests(server):
     assert server.metrics()[key] == before + 6 + 1
 
 
-def test_full_cache_needs_max_len():
-    r = subprocess.run(
-        [sys.executable, "-m", "jaxkv.cli", "serve", *STORIES],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
-    assert r.returncode == 2 and "--max-len" in r.stderr and "--streaming-llm-window" in r.stderr
+def test_default_cache(server, stories):
+    """No cache flags: the bounded default (sink 4 + a window filling min(1024, the trained
+    context), positions cache), named in the `listening on` line and on the model card."""
+    spec = default_cache_spec(stories.config)
+    assert spec.sink == 4 and spec.sink + spec.window == min(1024, stories.config.max_seq_len)
+    assert f"cache {spec.describe()}, the default:" in server.output()
+    card = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]
+    assert card["jaxkv"] == {"cache": spec.describe(), "slots": 4, "max_tokens_per_request": None}
+    assert httpx.get(f"{server.url}/v1/models/stories260K", headers=AUTH).json() == card
+
+
+@pytest.mark.parametrize("flag", ["--max-num-batched-tokens", "--stream-interval"])
+def test_engine_flags_refused_by_name(capsys, flag):
+    assert main(["serve", *STORIES, flag, "0"]) == 2  # before anything loads
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxkv: error: {flag} 0: ") and err.count("\n") == 1, err
+
+
+def test_finish_reasons_cover_the_engine():
+    assert set(FINISH_REASONS) == set(engine.FINISH_REASONS) - {"error"}  # error: a 500 or an error event
+    assert set(FINISH_REASONS.values()) == {"stop", "length"}
 
 
 @pytest.mark.slow
@@ -466,7 +517,7 @@ def test_sigterm_ends_streams_and_exits_0(tiny):
 @pytest.mark.slow
 def test_chat_equals_sample(smollm2):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    expected = _expected(smollm2, messages[0]["content"], 12, chat=True)
+    expected = _expected(smollm2, messages[0]["content"], 12, SPEC, chat=True)
     s = Server(str(SMOLLM2), *CACHE_FLAGS, "--slots", "2", "--model-name", "smol", ready_timeout=600)
     try:
         client = s.client()

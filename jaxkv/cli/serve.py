@@ -3,7 +3,8 @@
 
 The port is bound first (a port in use is one error line, before the model loads); uvicorn
 serves at once while the engine warms up in a thread (``/health`` answers 503 until it is
-ready), and one line on stderr says when it is. SIGTERM or SIGINT: no new requests, the
+ready), and one line on stderr says when it is, naming the cache: without --streaming-llm-window
+or --max-len, the bounded default of :data:`DEFAULT_CACHE_TOKENS`. SIGTERM or SIGINT: no new requests, the
 in-flight ones get ``--shutdown-timeout`` seconds, then end (finish reason ``length``), their
 streams closed with ``[DONE]``; the command exits 0. docs/SERVING.md has the details.
 """
@@ -19,11 +20,26 @@ import sys
 import threading
 import time
 
-from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_tokenizer_flag, boosted_spec, cache_spec_from_args
+from jaxkv.cache.spec import CacheSpec
+from jaxkv.cli.flags import (
+    add_cache_flags,
+    add_model_flags,
+    add_tokenizer_flag,
+    boosted_spec,
+    cache_spec_from_args,
+    kivi_flags,
+)
+from jaxkv.decode.chat import default_cache_spec
 from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int
 from jaxkv.io import load_model
 
 API_KEY_ENV = "JAXKV_API_KEY"
+DEFAULT_SINK = 4
+DEFAULT_CACHE_TOKENS = 1024
+"""Without --streaming-llm-window or --max-len: each slot's cache is a StreamingLLM cache of
+:data:`DEFAULT_SINK` sinks and a window filling ``min(DEFAULT_CACHE_TOKENS, the model's trained
+context)`` tokens with RoPE positions ``cache`` (ranks in the cache, so never beyond the trained
+context), as ``jaxkv chat``'s default (:func:`jaxkv.decode.chat.default_cache_spec`)."""
 
 
 def add_parser(sub) -> None:
@@ -94,6 +110,22 @@ def add_parser(sub) -> None:
         "(default: %(default)s)",
     )
     s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        metavar="N",
+        help="tokens per engine step at most (vLLM's name): every decoding slot's next token first, "
+        "then waiting prompts' chunks in the rest (default: %(default)s)",
+    )
+    s.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tokens per streamed chunk at most (vLLM's name): 1 sends every token as it is sampled "
+        "(default: %(default)s)",
+    )
+    s.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,
@@ -101,8 +133,44 @@ def add_parser(sub) -> None:
         help="on SIGTERM/SIGINT, seconds the requests in flight get to finish before they are cut "
         "short (finish reason length) (default: %(default)s)",
     )
-    add_cache_flags(s, defaults={"max_len": "none; a full cache needs it: the tokens each slot holds"})
-    s.set_defaults(func=run)
+    add_cache_flags(
+        s,
+        defaults={
+            "streaming_llm_sink": f"{DEFAULT_SINK}",
+            "streaming_llm_window": f"what fills min({DEFAULT_CACHE_TOKENS}, the model's trained context) "
+            "with the sinks, unless --max-len is given",
+            "positions": "cache for the default window, else absolute",
+            "max_len": "none, a StreamingLLM cache; given: a full cache of N tokens per slot, prompt and reply",
+        },
+    )
+    s.set_defaults(func=run, positions=None)  # None: cache for the default window, else absolute
+
+
+def _default_spec(args, config) -> CacheSpec:
+    """The cache of a ``jaxkv serve`` without --streaming-llm-window or --max-len
+    (:data:`DEFAULT_CACHE_TOKENS`), in the storage the other cache flags give.
+
+    Raises:
+      JaxkvError: flags that leave no window (e.g. a sink or KIVI residual as large as the context).
+    """
+    group_size, residual = kivi_flags(args)
+    return default_cache_spec(
+        config,
+        sink=DEFAULT_SINK if args.streaming_llm_sink is None else args.streaming_llm_sink,
+        slots=DEFAULT_CACHE_TOKENS,
+        kv_quantize=args.kv_quantize,
+        group_size=group_size,
+        residual=residual,
+        positions=args.positions,
+        k_quantize=args.kv_quantize_k,
+        v_quantize=args.kv_quantize_v,
+        residual_dtype=args.kv_residual_dtype or "float32",
+        pre_rope_keys=bool(args.kv_pre_rope),
+        hadamard=args.kv_hadamard or "none",
+        keep=args.kv_keep or 0,
+        keep_score=args.kv_keep_score or "recent",
+        keep_quantize=args.kv_keep_quantize,
+    )
 
 
 def _api_key(args) -> str | None:
@@ -176,16 +244,20 @@ def run(args) -> int:
     check_int("--max-tokens-default", args.max_tokens_default, 1, INT32_LIMIT)
     if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
         raise JaxkvError(f"--shutdown-timeout {args.shutdown_timeout}: expected seconds >= 0")
+    check_int("--max-num-batched-tokens", args.max_num_batched_tokens, 1, INT32_LIMIT)
+    check_int("--stream-interval", args.stream_interval, 1, INT32_LIMIT)
     if args.model_name is not None and not args.model_name.strip():
         raise JaxkvError("--model-name: expected a non-empty name")
     api_key = _api_key(args)
-    if args.streaming_llm_window is None and args.max_len is None:
-        raise JaxkvError(
-            "a full cache needs --max-len N (the tokens each slot holds: prompt and reply), or serve "
-            "with a bounded cache, --streaming-llm-window M (any prompt length)"
-        )
-    spec = cache_spec_from_args(args)
-    boosted_spec(args, spec)  # every boost flag checked before loading (the layer range once the model is known)
+    default_cache = args.streaming_llm_window is None and args.max_len is None
+    if args.positions is None:
+        args.positions = "cache" if default_cache else "absolute"
+    if default_cache:  # sized from the model's context once it is loaded: the KIVI flags checked now
+        spec = None
+        kivi_flags(args)
+    else:  # every flag checked before loading (the boost layers' range once the model is known)
+        spec = cache_spec_from_args(args)
+        boosted_spec(args, spec)
     try:
         import uvicorn
 
@@ -198,8 +270,18 @@ def run(args) -> int:
 
     sock = _bind(args.host, args.port)
     model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
+    if spec is None:
+        spec = _default_spec(args, model.config)
     spec = boosted_spec(args, spec, model.config.n_layers)
-    engine = Engine(model, spec, slots=args.slots, max_queue=args.max_queue, prefix_cache_bytes=args.prefix_cache_bytes)
+    engine = Engine(
+        model,
+        spec,
+        slots=args.slots,
+        max_queue=args.max_queue,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        stream_interval=args.stream_interval,
+    )
     name = args.model_name or os.path.splitext(model.config.name)[0]
     app = create_app(
         engine,
@@ -211,7 +293,7 @@ def run(args) -> int:
     config = uvicorn.Config(
         app, log_level="warning", lifespan="on", timeout_graceful_shutdown=int(math.ceil(args.shutdown_timeout)) + 5
     )
-    server = _uvicorn_server(uvicorn, config, app.state.shutdown.begin)
+    server = _uvicorn_server(uvicorn, config, app.state.serving.shutdown.begin)
     failed: list[BaseException] = []
 
     def warm_up() -> None:
@@ -226,7 +308,9 @@ def run(args) -> int:
         if server.started and not server.should_exit:
             print(
                 f"jaxkv serve: listening on {_url(sock)} (model {name}, {engine.slots} slots, "
-                f"cache {engine.spec.describe()})",
+                f"cache {engine.spec.describe()}"
+                + (", the default: --streaming-llm-window M or --max-len N to choose" if default_cache else "")
+                + ")",
                 file=sys.stderr,
                 flush=True,
             )
