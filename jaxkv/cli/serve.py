@@ -136,7 +136,7 @@ def add_parser(sub) -> None:
     add_cache_flags(
         s,
         defaults={
-            "streaming_llm_sink": f"{DEFAULT_SINK}",
+            "streaming_llm_sink": f"{DEFAULT_SINK} with the default window, else 0",
             "streaming_llm_window": f"what fills min({DEFAULT_CACHE_TOKENS}, the model's trained context) "
             "with the sinks, unless --max-len is given",
             "positions": "cache for the default window, else absolute",
