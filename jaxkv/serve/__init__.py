@@ -11,4 +11,13 @@ The engine is usable without HTTP::
 from jaxkv.serve.engine import ContextLengthError, Engine, EngineStopped, Event, QueueFullError, Request, SamplingParams
 from jaxkv.serve.prefix import PrefixStore
 
-__all__ = ["ContextLengthError", "Engine", "EngineStopped", "Event", "PrefixStore", "QueueFullError", "Request", "SamplingParams"]
+__all__ = [
+    "ContextLengthError",
+    "Engine",
+    "EngineStopped",
+    "Event",
+    "PrefixStore",
+    "QueueFullError",
+    "Request",
+    "SamplingParams",
+]
