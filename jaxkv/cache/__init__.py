@@ -10,6 +10,7 @@ from jaxkv.cache.kv import KVCache, LayerKV, Step
 from jaxkv.cache.layered import LayeredCache, LayeredStep
 from jaxkv.cache.memory import MemoryReport, memory_report
 from jaxkv.cache.policy import FullCache, Policy, StreamingLLM
+from jaxkv.cache.rows import batch_axes, put_rows, take_rows
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.cache.storage import FloatStorage, Storage
 
@@ -30,5 +31,8 @@ __all__ = [
     "Storage",
     "StreamingLLM",
     "attend",
+    "batch_axes",
     "memory_report",
+    "put_rows",
+    "take_rows",
 ]

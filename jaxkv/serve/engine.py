@@ -47,15 +47,17 @@ import math
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv.cache.kv import KVCache
+from jaxkv.cache.rows import batch_axes, put_rows, take_rows
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.decode import loop, parallel
 from jaxkv.decode.prompt import check_token_ids, stop_strings
@@ -233,48 +235,52 @@ class Request:
 
 
 @dataclasses.dataclass
-class _Prefill:
-    """An admitted request whose prompt is being prefilled into its one-row cache."""
+class _Slot:
+    """A request in its row of the batched cache: prefilling (``todo`` not empty, or later
+    ``segments``), then decoding (``stream`` set)."""
 
     request: Request
-    slot: int
-    segments: list  # token-id lists still to append, in order; a state is stored after each
-    done: list  # the tokens the cache holds so far
-    cache: object
-    logits: jax.Array | None
-    steps: Iterator | None = None
+    todo: list  # prompt tokens of the current segment still to append
+    segments: list  # later segments (token-id lists), a state stored after each
+    held: list  # the tokens the row's cache holds
+    stream: TextStream | None = None
+    pending: list = dataclasses.field(default_factory=list)  # text pieces not yet sent
+    new: list = dataclasses.field(default_factory=list)  # token ids not yet sent
+    reason: str | None = None  # the finish reason, once decided
+
+    @property
+    def decoding(self) -> bool:
+        return self.stream is not None
 
 
-@dataclasses.dataclass
-class _Row:
-    """A request decoding in its slot."""
-
-    request: Request
-    stream: TextStream
-    pending: list  # text pieces since the last event
+_ENGINES: weakref.WeakValueDictionary[int, Engine] = weakref.WeakValueDictionary()
+"""The engines by id, for :func:`_deliver` (a decode call names its engine by an int32 array)."""
+_ENGINE_IDS = itertools.count()
 
 
 class Engine:
-    """Continuous batching over ``slots`` fixed decode rows (see the module docstring).
+    """Continuous batching over ``slots`` rows (see the module docstring).
 
     Args:
       model: a :class:`~jaxkv.io.LoadedModel` with a tokenizer.
       spec: every row's cache (:class:`~jaxkv.CacheSpec` or :class:`~jaxkv.LayerSpecs`): a
         bounded (StreamingLLM / KIVI) cache serves any prompt length; a full one
         (``max_len``) refuses a prompt plus ``max_tokens`` beyond it.
-      slots: rows of the decode batch (requests decoding at once), >= 1; a multiple of the
+      slots: rows of the batched cache (requests served at once), >= 1; a multiple of the
         mesh's ``data`` size.
       max_queue: requests waiting for a slot at most, >= 0 (beyond: :class:`QueueFullError`).
       prefix_cache_bytes: bytes of stored prefix states at most (0 = no prefix reuse).
-      prefill_chunk: tokens per compiled prefill call (capped by the spec's ``max_chunk``).
-      block: decode steps per compiled call while no prompt waits (one call's host round trip
-        shared by ``block`` tokens; a request arriving meanwhile waits for the call to end).
+      prefill_chunk: prompt tokens per row per step at most (capped by the spec's ``max_chunk``).
+      block: decode steps per compiled call at most. A call ends early, after the step in
+        which it happens, when a request waits to be prefilled or a row finishes while
+        others wait, so the call's length never delays a prompt by more than one step.
       max_num_batched_tokens: tokens per scheduling step at most (vLLM's name): every decoding
         row's next token first, then waiting prompts' chunks in the rest of the budget, >= 1.
       stream_interval: tokens per event a decoding row delivers at most (vLLM's name): 1 sends
         every token as it is sampled; N > 1 batches N tokens into one event, >= 1.
       mesh: a :func:`jaxkv.decode.parallel.make_mesh` mesh: slots shard over its ``data``
-        axis (as ``jaxkv batch``), the parameters as :func:`~jaxkv.decode.parallel.shard_model` places them.
+        axis (as ``jaxkv batch``), the parameters as :func:`~jaxkv.decode.parallel.shard_model`
+        places them; every call then runs all ``slots`` rows (no compaction).
     Raises:
       JaxkvError: bad sizes, a model without a tokenizer, a cache that does not fit memory.
     """
@@ -288,7 +294,7 @@ class Engine:
         max_queue: int = 64,
         prefix_cache_bytes: int = 256 << 20,
         prefill_chunk: int = loop.PREFILL_CHUNK,
-        block: int = 8,
+        block: int = 16,
         max_num_batched_tokens: int = loop.PREFILL_CHUNK,
         stream_interval: int = 1,
         mesh=None,
@@ -315,27 +321,40 @@ class Engine:
         self.prefix = PrefixStore(prefix_cache_bytes)
         self._graphdef, self._state = nnx.split(self.model.model)
         self._cache = loop.new_cache(model.config, spec, slots, mesh=mesh)
-        self._axes = _batch_axes(model.config, spec)
-        self._row_tree = jax.tree.structure(loop.new_cache(model.config, spec, 1))
+        config = model.config
+        self._axes = batch_axes(
+            self.spec, n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim
+        )
+        self._row_tree = jax.tree.structure(loop.new_cache(config, spec, 1))
         self._row_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        vocab = model.config.vocab_size
+        self._empty_row = self._new_row()
+        vocab = config.vocab_size
         self._logits = self._placed(np.zeros((slots, vocab), np.float32), rows=True)
-        self._rows: list[_Row | _Prefill | None] = [None] * slots
-        self._active = np.zeros(slots, bool)
+        self._empty_logits = self._row_placed(jnp.zeros((1, vocab), jnp.float32))
+        # the compiled batch sizes: powers of two below slots, and slots (a mesh: slots only)
+        self.row_buckets = (slots,) if mesh is not None else tuple(sorted({*_powers_of_two(slots), slots}))
+        cap = min(loop.chunk_len(self.spec, INT32_LIMIT, self.prefill_chunk), self.max_num_batched_tokens)
+        self.chunk_buckets = tuple(t for t in _powers_of_two(cap + 1) if t >= min(PREFILL_MIN, cap))
+        if self.chunk_buckets[-1] != cap:  # cap itself (a window of 252 prefills chunks of 252)
+            self.chunk_buckets += (cap,)
+        self._rows: list[_Slot | None] = [None] * slots
         self._temperature = np.zeros(slots, np.float32)
         self._top_k = np.full(slots, vocab, np.int32)
         self._top_p = np.ones(slots, np.float32)
         self._keys = np.zeros((slots, 2), np.uint32)
         self._steps = np.zeros(slots, np.int32)
+        self._call_rows: np.ndarray | None = None  # the slots of the decode call running now
+        self._call_error: BaseException | None = None
         self._queue: collections.deque[Request] = collections.deque()
-        self._prefills: collections.deque[_Prefill] = collections.deque()
         self._wake = threading.Condition()
         self._stopping = False
         self._deadline: float | None = None
         self._thread: threading.Thread | None = None
         self.ready = False
-        self.counts = collections.Counter()  # prompt / cached / completion tokens, steps, seconds
+        self.counts = collections.Counter()  # prompt / cached / completion tokens, steps, rows, seconds
         self.kv_bytes = tree_bytes(self._cache)
+        self._id = next(_ENGINE_IDS)
+        _ENGINES[self._id] = self
 
     # ---- the public API --------------------------------------------------------------------------
     def submit(
@@ -397,7 +416,10 @@ class Engine:
         """Counters and gauges for metrics: ``queue_depth``, ``busy_slots``, ``slots``, ``kv_bytes``,
         ``prefix_hits``, ``prefix_misses``, ``prefix_bytes``, ``prefix_entries``,
         ``prompt_tokens_total``, ``cached_tokens_total``, ``completion_tokens_total``,
-        ``decode_steps_total``, ``decode_seconds_total``, ``prefill_tokens_total``, ``prefill_seconds_total``."""
+        ``decode_steps_total``, ``decode_rows_total`` (rows the compiled decode steps ran, padding
+        included: a step over 3 busy rows runs 4), ``decode_calls_total``, ``decode_seconds_total``,
+        ``prefill_tokens_total``, ``prefill_rows_total`` (rows the prefill calls ran, padding
+        included), ``prefill_calls_total``, ``prefill_seconds_total``."""
         c = self.counts
         return dict(
             queue_depth=len(self._queue),
@@ -412,39 +434,50 @@ class Engine:
             cached_tokens_total=c["cached"],
             completion_tokens_total=c["completion"],
             decode_steps_total=c["steps"],
+            decode_rows_total=c["decode_rows"],
+            decode_calls_total=c["decode_calls"],
             decode_seconds_total=c["decode_s"],
             prefill_tokens_total=c["prefilled"],
+            prefill_rows_total=c["prefill_rows"],
+            prefill_calls_total=c["prefill_calls"],
             prefill_seconds_total=c["prefill_s"],
         )
 
     def warm_up(self) -> float:
-        """Compile every program the engine runs: prefill chunks of every length (each run once,
-        a prompt of two chunks too, into scratch rows), insert, extract, the copy and the decode
-        step, so that no request compiles anything; returns the seconds it took. Sets :attr:`ready`."""
+        """Compile every program the engine runs: the prefill call for every (rows, chunk)
+        shape the scheduler can pick, the decode call for every row bucket, insert, extract,
+        so that no request compiles anything (each run once on rows that append nothing);
+        returns the seconds it took. Sets :attr:`ready`."""
         t0 = time.perf_counter()
-        cap = loop.chunk_len(self.spec, INT32_LIMIT, self.prefill_chunk)
-        lengths = [2**k for k in range(1, cap.bit_length()) if 2**k < cap] + [cap, cap + 1]
-        limit = self.spec.token_limit
         with loop.count_compiles("serve"):
-            for n in [n for n in lengths if limit is None or n < limit]:
-                row, logits = loop.prefill(self.model, self._new_row(), [[0] * n], chunk=self.prefill_chunk)
-            self._cache, self._logits = _insert(
-                self._cache, self._logits, _copy(row), logits, np.int32(0), axes=self._axes
-            )
+            self._reset_row(0, self._empty_row, self._empty_logits)
+            for rows, t in self._prefill_shapes():
+                index = np.arange(rows, dtype=np.int32)
+                self._cache, self._logits = _prefill_rows(
+                    self._graphdef,
+                    self._state,
+                    self._cache,
+                    self._logits,
+                    *(self._placed(x) for x in (index, np.zeros((rows, t), np.int32), np.zeros(rows, np.int32))),
+                    axes=self._axes,
+                )
             self._extract(0)
-            self._decode(1)
+            for rows in self.row_buckets:
+                self._decode(np.arange(rows, dtype=np.int32), np.zeros(rows, bool))
+            jax.block_until_ready(self._cache)
         self.ready = True
         return time.perf_counter() - t0
 
     def step(self) -> bool:
-        """One scheduling step: admit queued requests into free slots, one prefill chunk, one
-        decode call over the busy rows, events delivered. Returns whether there was work."""
+        """One scheduling step: admit queued requests into free slots, one prefill call of the
+        waiting prompts' chunks under the token budget, one decode call over the decoding rows
+        (events delivered as tokens are sampled). Returns whether there was work."""
         self._admit()
-        worked = self._prefill_one()
-        if self._active.any():
+        worked = self._prefill()
+        if any(r is not None and r.decoding for r in self._rows):
             self._generate()
             worked = True
-        return worked or bool(self._prefills)
+        return worked
 
     # ---- scheduling ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -469,6 +502,9 @@ class Engine:
         return sum(r is None for r in self._rows)
 
     def _admit(self) -> None:
+        """Queued requests into free slots (FIFO), each row starting from the longest stored
+        prefix of its prompt (or empty), with a stored state at the point where it leaves the
+        longest prefix it shares with a stored one (a shared system prompt)."""
         while True:
             with self._wake:
                 if not self._queue or None not in self._rows:
@@ -479,164 +515,232 @@ class Engine:
                 continue
             slot = self._rows.index(None)
             try:
-                self._rows[slot] = job = self._start(request, slot)
+                self._rows[slot] = self._start(request, slot)
             except Exception as e:
                 request._emit([], "", "error", f"{type(e).__name__}: {e}")
                 raise
-            self._prefills.append(job)
 
-    def _start(self, request: Request, slot: int) -> _Prefill:
-        """The prefill job of ``request``: from the longest stored prefix, with a stored state at
-        the point where it leaves the longest prefix it shares with a stored one."""
+    def _start(self, request: Request, slot: int) -> _Slot:
         ids = request.prompt_ids
         hit = self.prefix.lookup(ids)
         held = 0 if hit is None else len(hit.tokens)
         if hit is None:
-            cache, logits = self._new_row(), None
-        elif held == len(ids):  # the whole prompt: no prefill, insert the stored state as is
-            cache, logits = hit.cache, hit.logits
+            self._reset_row(slot, self._empty_row, self._empty_logits)
         else:
-            cache, logits = _copy(hit.cache), None
+            self._reset_row(slot, hit.cache, hit.logits)
         branch = self.prefix.branch(ids[:-1])
         cuts = [branch] if branch >= held + CHECKPOINT_MIN else []
-        segments = [ids[a:b] for a, b in zip([held, *cuts], [*cuts, len(ids)]) if b > a]
+        segments = [list(ids[a:b]) for a, b in zip([held, *cuts], [*cuts, len(ids)]) if b > a]
         request.cached_tokens = held
         self.counts["prompt"] += len(ids)
         self.counts["cached"] += held
-        return _Prefill(
-            request=request, slot=slot, segments=segments, done=list(ids[:held]), cache=cache, logits=logits
+        row = _Slot(request=request, todo=segments[0] if segments else [], segments=segments[1:], held=list(ids[:held]))
+        if not row.todo:  # the whole prompt was stored: decode from its logits
+            self._start_decoding(slot, row)
+        return row
+
+    def _prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, chunk) shape :meth:`_plan_prefill` can pick."""
+        shapes = []
+        for t in self.chunk_buckets:
+            for rows in self.row_buckets:
+                if rows == self.row_buckets[0] or rows * t <= self.max_num_batched_tokens:
+                    shapes.append((rows, t))
+        return shapes
+
+    def _plan_prefill(self, n_decoding: int) -> tuple[list[int], int]:
+        """The slots that prefill in this step and the chunk length T: every prompt waiting (in
+        the order they came) while rows x ``PREFILL_MIN`` fit the budget left after one token per
+        decoding row, T the largest chunk bucket that covers their longest part and fits."""
+        budget = max(self.max_num_batched_tokens - n_decoding, self.chunk_buckets[0])
+        waiting = sorted(
+            (s for s, r in enumerate(self._rows) if r is not None and r.todo),
+            key=lambda s: self._rows[s].request.submitted,
         )
+        chosen: list[int] = []
+        for slot in waiting:
+            if chosen and _bucket(self.row_buckets, len(chosen) + 1) * self.chunk_buckets[0] > budget:
+                break
+            chosen.append(slot)
+        if not chosen:
+            return [], 0
+        rows = _bucket(self.row_buckets, len(chosen))
+        want = max(len(self._rows[s].todo) for s in chosen)
+        fits = [t for t in self.chunk_buckets if rows == self.row_buckets[0] or rows * t <= budget]
+        t = next((t for t in fits if t >= want), fits[-1])
+        return chosen, t
 
-    def _prefill_one(self) -> bool:
-        """One compiled prefill chunk of the oldest admitted request (or its insertion)."""
-        while self._prefills:
-            job = self._prefills[0]
-            if job.request.cancelled.is_set():
-                self._prefills.popleft()
-                self._release(job.slot, "cancelled")
-                continue
-            if job.steps is None and job.segments:
-                job.steps = loop.prefill_steps(self.model, job.cache, [job.segments[0]], chunk=self.prefill_chunk)
-            if job.steps is not None:
-                t0 = time.perf_counter()
-                try:
-                    job.cache, job.logits = next(job.steps)
-                    job.logits.block_until_ready()
-                    self.counts["prefill_s"] += time.perf_counter() - t0
-                    return True
-                except StopIteration:
-                    job.done += job.segments.pop(0)
-                    job.steps = None
-                    if job.segments:  # a branch point: a copy stored, the next segment consumes the cache
-                        self.prefix.put(job.done, _copy(job.cache), job.logits)
-                        continue
-                    self.prefix.put(job.done, job.cache, job.logits)  # the prompt's end (insert reads it)
-            self._prefills.popleft()
-            self._insert(job)
-            return True
-        return False
-
-    def _insert(self, job: _Prefill) -> None:
-        """Write a prefilled one-row cache into its slot and start decoding there."""
-        request, slot, p = job.request, job.slot, job.request.params
-        self.counts["prefilled"] += len(request.prompt_ids) - request.cached_tokens
-        self._cache, self._logits = _insert(
-            self._cache, self._logits, job.cache, job.logits, np.int32(slot), axes=self._axes
-        )
-        self._active[slot] = True
-        self._temperature[slot] = p.temperature
-        self._top_k[slot] = min(p.top_k or self.model.config.vocab_size, self.model.config.vocab_size)
-        self._top_p[slot] = 1.0 if p.top_p is None else p.top_p
-        self._keys[slot] = (0, p.seed)  # jax.random.PRNGKey(seed) of a seed < 2**32, made without a device call
-        self._steps[slot] = 0
-        pending: list[str] = []
-        stream = TextStream(self.model.tokenizer, request.prompt_ids, pending.append, stop=p.stop)
-        self._rows[slot] = _Row(request=request, stream=stream, pending=pending)
-
-    def _generate(self) -> None:
-        """One decode call over the busy rows: :attr:`block` steps, or one while a prompt waits
-        for its prefill (so that it starts after one step); each row's tokens checked and delivered."""
-        steps = 1 if self._queue or self._prefills else self.block
+    def _prefill(self) -> bool:
+        """One compiled prefill call over the waiting prompts' next chunks (:meth:`_plan_prefill`)."""
+        for slot, row in enumerate(self._rows):
+            if row is not None and row.todo and row.request.cancelled.is_set():
+                self._release(slot, "cancelled")
+        chosen, t = self._plan_prefill(sum(r is not None and r.decoding for r in self._rows))
+        if not chosen:
+            return False
+        rows = _bucket(self.row_buckets, len(chosen))
+        index = np.array(chosen + self._padding(chosen, rows, prefer_decoding=True), np.int32)
+        lengths = [len(self._rows[s].held) for s in chosen]
+        n = np.zeros(rows, np.int32)
+        n[: len(chosen)] = self.spec.policy.plan_chunk(lengths, [len(self._rows[s].todo) for s in chosen], t)
+        tokens = np.zeros((rows, t), np.int32)
+        for j, slot in enumerate(chosen):
+            tokens[j, : n[j]] = self._rows[slot].todo[: n[j]]
         t0 = time.perf_counter()
-        tokens = self._decode(steps)
-        self.counts["decode_s"] += time.perf_counter() - t0
-        self.counts["steps"] += steps
-        eos = self.model.tokenizer.eos_id
-        for slot in np.flatnonzero(self._active):
-            row = self._rows[slot]
-            request, p = row.request, row.request.params
-            fed = [int(t) for t in tokens[slot] if t >= 0]  # every token the row appended in this call
-            self._steps[slot] += len(fed)
-            self.counts["completion"] += len(fed)
-            new, reason = [], None
-            for token in fed:
-                new.append(token)
-                if row.stream.on_block(np.array([[token]])) or (token == eos and not p.ignore_eos):
-                    reason = "stop"  # a stop string or EOS (tokens after a stop string are dropped)
-                elif len(request.token_ids) + len(new) >= p.max_tokens:
-                    reason = "length"
-                if reason is not None:
-                    break
-            if reason is None and request.cancelled.is_set():
-                reason = "cancelled"
-            if reason is not None:
-                row.stream.flush()  # (nothing after a stop string)
-            text = "".join(row.pending)
-            row.pending.clear()
-            if reason is None:
-                request._emit(new, text)
-                continue
-            if reason != "cancelled":  # the state after the prompt and every token the row appended
-                self.prefix.put(request.prompt_ids + request.token_ids + fed, *self._extract(slot))
-            self._active[slot] = False
-            self._rows[slot] = None
-            request._emit(new, text, reason)
-
-    def _decode(self, steps: int) -> np.ndarray:
-        """Run ``steps`` decode steps on every row (idle rows append nothing); int32[slots, block]
-        tokens, -1 after a row's EOS or budget (and past ``steps``)."""
-        remaining = np.zeros(self.slots, np.int32)
-        for slot in np.flatnonzero(self._active):
-            remaining[slot] = self._rows[slot].request.params.max_tokens - len(self._rows[slot].request.token_ids)
-        ignore_eos = np.array([isinstance(r, _Row) and r.request.params.ignore_eos for r in self._rows])
-        self._cache, self._logits, tokens = _decode_step(
+        self._cache, self._logits = _prefill_rows(
             self._graphdef,
             self._state,
             self._cache,
             self._logits,
-            *(
-                self._placed(x, rows=True)
-                for x in (
-                    self._active,
-                    self._temperature,
-                    self._top_k,
-                    self._top_p,
-                    self._keys,
-                    self._steps,
-                    remaining,
-                    ignore_eos,
-                )
-            ),
-            self._placed(np.int32(steps)),
-            block=self.block,
-            eos_id=self.model.tokenizer.eos_id,
+            *(self._placed(x) for x in (index, tokens, n)),
+            axes=self._axes,
         )
-        return loop.to_host(tokens)
+        jax.block_until_ready(self._logits)
+        self.counts["prefill_s"] += time.perf_counter() - t0
+        self.counts["prefill_calls"] += 1
+        self.counts["prefill_rows"] += rows
+        self.counts["prefilled"] += int(n.sum())
+        for j, slot in enumerate(chosen):
+            row = self._rows[slot]
+            row.held += row.todo[: n[j]]
+            del row.todo[: n[j]]
+            if row.todo:
+                continue
+            self.prefix.put(row.held, *self._extract(slot))  # a branch point, or the prompt's end
+            if row.segments:
+                row.todo = row.segments.pop(0)
+            else:
+                self._start_decoding(slot, row)
+        return True
+
+    def _start_decoding(self, slot: int, row: _Slot) -> None:
+        p = row.request.params
+        vocab = self.model.config.vocab_size
+        self._temperature[slot] = p.temperature
+        self._top_k[slot] = min(p.top_k or vocab, vocab)
+        self._top_p[slot] = 1.0 if p.top_p is None else p.top_p
+        self._keys[slot] = (0, p.seed)  # jax.random.PRNGKey(seed) of a seed < 2**32, made without a device call
+        self._steps[slot] = 0
+        row.stream = TextStream(self.model.tokenizer, row.request.prompt_ids, row.pending.append, stop=p.stop)
+
+    def _padding(self, chosen: list[int], rows: int, *, prefer_decoding: bool) -> list[int]:
+        """``rows - len(chosen)`` other distinct slots to fill a compiled call's batch (they
+        append nothing): free slots first, then busy ones of the other kind."""
+        taken = set(chosen)
+        free = [s for s, r in enumerate(self._rows) if r is None and s not in taken]
+        busy = [s for s, r in enumerate(self._rows) if r is not None and s not in taken]
+        busy.sort(key=lambda s: self._rows[s].decoding != prefer_decoding)
+        return (free + busy)[: rows - len(chosen)]
+
+    def _generate(self) -> None:
+        """One decode call over the decoding rows, compacted into the smallest row bucket that
+        holds them: up to :attr:`block` steps, each step's tokens delivered as it is sampled
+        (:meth:`_deliver`); then the rows that finished are released."""
+        decoding = [s for s, r in enumerate(self._rows) if r is not None and r.decoding]
+        rows = _bucket(self.row_buckets, len(decoding))
+        index = np.array(decoding + self._padding(decoding, rows, prefer_decoding=False), np.int32)
+        active = np.zeros(rows, bool)
+        active[: len(decoding)] = True
+        t0 = time.perf_counter()
+        self._decode(index, active)
+        self.counts["decode_s"] += time.perf_counter() - t0
+        self.counts["decode_calls"] += 1
+        if self._call_error is not None:
+            error, self._call_error = self._call_error, None
+            raise error
+        for slot in decoding:
+            row = self._rows[slot]
+            if row.reason is not None:
+                self._finish(slot, row)
+
+    def _decode(self, index: np.ndarray, active: np.ndarray) -> None:
+        """Run the decode call over slots ``index`` (``active`` rows sample and append; the
+        others append nothing), and wait for it."""
+        self._call_rows = index
+        try:
+            self._cache, self._logits = _decode_rows(
+                self._graphdef,
+                self._state,
+                self._cache,
+                self._logits,
+                *(
+                    self._placed(x)
+                    for x in (
+                        np.int32(self._id),
+                        index,
+                        active,
+                        self._temperature[index],
+                        self._top_k[index],
+                        self._top_p[index],
+                        self._keys[index],
+                        self._steps[index],
+                    )
+                ),
+                block=self.block,
+                axes=self._axes,
+            )
+            jax.block_until_ready(self._logits)
+        finally:
+            self._call_rows = None
+
+    def _deliver(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The host's part of every decode step (called from inside the compiled call):
+        ``tokens: int32[R]`` sampled by the call's rows (-1: an inactive row) are checked (EOS,
+        stop strings, ``max_tokens``, cancel) and sent as events. Returns ``(stop bool[R]: rows
+        that end now, go bool[]: whether the call takes another step)``: it ends early when a
+        prompt waits for its prefill, or a row ended while a request waits for a slot."""
+        index = self._call_rows
+        stop = np.zeros(len(tokens), bool)
+        eos = self.model.tokenizer.eos_id
+        self.counts["steps"] += 1
+        self.counts["decode_rows"] += len(tokens)
+        for j in np.flatnonzero(tokens >= 0):
+            slot = int(index[j])
+            row = self._rows[slot]
+            request, p, token = row.request, row.request.params, int(tokens[j])
+            self._steps[slot] += 1
+            self.counts["completion"] += 1
+            row.new.append(token)
+            if row.stream.on_block(np.array([[token]])) or (token == eos and not p.ignore_eos):
+                row.reason = "stop"  # a stop string or EOS (tokens after a stop string are dropped)
+            elif len(request.token_ids) + len(row.new) >= p.max_tokens:
+                row.reason = "length"
+            elif request.cancelled.is_set():
+                row.reason = "cancelled"
+            if row.reason is not None:
+                stop[j] = True
+            elif len(row.new) >= self.stream_interval:
+                text = "".join(row.pending)
+                row.pending.clear()
+                new, row.new = row.new, []
+                request._emit(new, text)
+        waiting = any(r is not None and r.todo for r in self._rows) or (
+            bool(self._queue) and (stop.any() or None in self._rows)
+        )
+        return stop, np.bool_(not (waiting or self._stopping))
+
+    def _finish(self, slot: int, row: _Slot) -> None:
+        """End a row that finished in the last decode call: store its state, free its slot,
+        send its last event."""
+        request = row.request
+        if row.reason != "cancelled":  # the state after the prompt and every token the row appended
+            self.prefix.put(request.prompt_ids + request.token_ids + row.new, *self._extract(slot))
+        row.stream.flush()  # (nothing after a stop string)
+        self._rows[slot] = None
+        request._emit(row.new, "".join(row.pending), row.reason)
 
     def _release(self, slot: int, reason: str, error: str | None = None) -> None:
         """Free ``slot`` and end its request with ``reason``."""
         row, self._rows[slot] = self._rows[slot], None
-        self._active[slot] = False
         if row is not None and row.request.finish_reason is None:
             row.request._emit([], "", reason, error)
 
     def _interrupt_all(self, reason: str = "interrupted", error: str | None = None) -> None:
-        """End every queued, prefilling and running request with ``reason``."""
+        """End every queued, prefilling and decoding request with ``reason``."""
         with self._wake:
             waiting, self._queue = list(self._queue), collections.deque()
         for request in waiting:
             request._emit([], "", reason, error)
-        self._prefills.clear()
         for slot in range(self.slots):
             self._release(slot, reason, error)
 
@@ -654,10 +758,16 @@ class Engine:
     def _row_placed(self, tree):
         return tree if self._row_sharding is None else jax.device_put(tree, self._row_sharding)
 
+    def _reset_row(self, slot: int, row, logits) -> None:
+        """Write a one-row cache and its logits ``float32[1, V]`` into row ``slot`` (not consumed)."""
+        index = self._placed(np.array([slot], np.int32))
+        self._cache, self._logits = _put_row(self._cache, self._logits, row, logits, index, axes=self._axes)
+
     def _extract(self, slot: int):
         """``(one-row cache, logits float32[1, V])``: copies of row ``slot`` of the batch, placed
         as :meth:`_new_row` places a row (so that a prefill from it needs no other program)."""
-        leaves, logits = _extract(self._cache, self._logits, np.int32(slot), axes=self._axes)
+        index = self._placed(np.array([slot], np.int32))
+        leaves, logits = _take_row(self._cache, self._logits, index, axes=self._axes)
         return self._row_placed((jax.tree.unflatten(self._row_tree, leaves), logits))
 
     def _placed(self, x: np.ndarray, *, rows: bool = False):
@@ -667,103 +777,93 @@ class Engine:
         return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec("data", *([None] * (x.ndim - 1)))))
 
 
-def _batch_axes(config, spec) -> tuple[int, ...]:
-    """Per leaf of a model's cache (flattened), the axis of its rows B: where a 2-row and a
-    1-row cache's shapes differ."""
-    one, two = (
-        jax.tree.leaves(
-            jax.eval_shape(
-                lambda b=b: KVCache._empty(
-                    loop.model_cache_spec(config, spec),
-                    batch=b,
-                    n_layers=config.n_layers,
-                    n_kv_heads=config.n_kv_heads,
-                    head_dim=config.head_dim,
-                )
-            )
-        )
-        for b in (1, 2)
+PREFILL_MIN = 16
+"""The shortest prefill chunk bucket: a prompt's last few tokens are padded to it, so that the
+(rows, chunk) shapes compiled stay few."""
+
+
+def _powers_of_two(n: int) -> list[int]:
+    """1, 2, 4, ... below ``n``."""
+    return [1 << k for k in range(max(n - 1, 0).bit_length()) if 1 << k < n]
+
+
+def _bucket(buckets: tuple[int, ...], n: int) -> int:
+    """The smallest of ``buckets`` >= ``n``."""
+    return next(b for b in buckets if b >= n)
+
+
+def _deliver(ident, tokens):
+    """The host callback of :func:`_decode_rows`: the engine ``ident``'s :meth:`Engine._deliver`;
+    an error in it stops the call (the engine raises it after the call)."""
+    engine = _ENGINES[int(ident)]
+    try:
+        return engine._deliver(np.asarray(tokens))
+    except BaseException as e:  # noqa: BLE001 - raised by the engine thread once the call returns
+        engine._call_error = e
+        return np.ones(len(tokens), bool), np.bool_(False)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("axes",), donate_argnames=("cache", "logits"))
+def _prefill_rows(graphdef, state, cache, logits, index, tokens, n, *, axes):
+    """Append ``tokens: int32[R, T]`` (``n: int32[R]`` valid per row; 0 = the row appends
+    nothing) to the rows ``index: int32[R]`` of the batched cache (gathered, run, written back);
+    those rows' logits ``float32[B, V]`` become the logits after their last appended token."""
+    part = take_rows(cache, index, axes)
+    new, part = forward(graphdef, state, tokens, n, part, last_only=True)
+    old = jnp.take(logits, index, axis=0)
+    return put_rows(cache, index, part, axes), put_rows(
+        logits, index, jnp.where((n > 0)[:, None], new[:, 0], old), (0,)
     )
-    return tuple(next(i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n) for a, b in zip(one, two))
 
 
-@functools.partial(
-    jax.jit, static_argnums=(0,), static_argnames=("block", "eos_id"), donate_argnames=("cache", "logits")
-)
-def _decode_step(
-    graphdef,
-    state,
-    cache,
-    logits,
-    active,
-    temperature,
-    top_k,
-    top_p,
-    keys,
-    step,
-    remaining,
-    ignore_eos,
-    steps,
-    *,
-    block,
-    eos_id,
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("block", "axes"), donate_argnames=("cache", "logits"))
+def _decode_rows(
+    graphdef, state, cache, logits, ident, index, active, temperature, top_k, top_p, keys, step, *, block, axes
 ):
-    """Up to ``steps: int32[]`` (at most ``block``) decode steps over every row, in one
-    ``lax.while_loop`` (a traced count: one program for any count), the model step under a
-    ``lax.cond`` as in :func:`jaxkv.decode.loop.decode_block` (without it, SmolLM2 int8 on a
-    2-core CPU took ~45 ms more per call, a loop of 4 steps twice the time per step): each active row samples its next token from
-    ``logits: float32[B, V]`` with its own settings (:func:`~jaxkv.decode.sampler.sample_rows`,
-    at its sampling step ``step: int32[B]``) and appends it, until its ``remaining: int32[B]``
-    budget is spent or it samples ``eos_id`` (unless ``ignore_eos: bool[B]``); idle rows append
-    nothing and keep their logits. Returns ``(cache, logits, tokens int32[B, block])``, -1 where
-    a row appended nothing."""
+    """Up to ``block`` decode steps over the rows ``index: int32[R]`` of the batched cache (the
+    call's rows gathered once, written back once), in one ``lax.while_loop``: each ``active:
+    bool[R]`` row samples its next token from its logits with its own settings
+    (:func:`~jaxkv.decode.sampler.sample_rows`: ``temperature, top_p: float32[R]``, ``top_k:
+    int32[R]``, ``keys: uint32[R, 2]``, sampling step ``step: int32[R]``), the host takes every
+    step's tokens (``jax.experimental.io_callback`` into :func:`_deliver`, engine ``ident``) and
+    says which rows end and whether to go on; each active row appends its token (the last one
+    included), the model step under a ``lax.cond`` as in :func:`jaxkv.decode.loop.decode_block`
+    (skipped once no row is active). Inactive rows append nothing and keep their logits.
+    Returns ``(cache, logits)``."""
+    rows = index.shape[0]
+    signature = (jax.ShapeDtypeStruct((rows,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_))
 
     def cond(carry):
-        i, _, _, active, *_ = carry
-        return (i < steps) & jnp.any(active)
+        i, go, _, _, active, _ = carry
+        return (i < block) & go & jnp.any(active)
 
     def body(carry):
-        i, cache, logits, active, step, remaining, out = carry
-        token = sample_rows(logits, temperature, top_k, top_p, keys, step)
+        i, _, part, part_logits, active, step = carry
+        token = jnp.where(active, sample_rows(part_logits, temperature, top_k, top_p, keys, step), -1)
+        stop, go = io_callback(_deliver, signature, ident, token)
 
-        def run(cache):
-            new, cache = forward(graphdef, state, token[:, None], active.astype(jnp.int32), cache)
-            return jnp.where(active[:, None], new[:, 0], logits), cache
+        def run(part):
+            new, part = forward(graphdef, state, jnp.maximum(token, 0)[:, None], active.astype(jnp.int32), part)
+            return jnp.where(active[:, None], new[:, 0], part_logits), part
 
-        logits, cache = jax.lax.cond(jnp.any(active), run, lambda c: (logits, c), cache)
-        out = jax.lax.dynamic_update_slice(out, jnp.where(active, token, -1)[:, None], (jnp.int32(0), i))
-        step, remaining = step + active, remaining - active
-        ended = (remaining <= 0) if eos_id is None else (remaining <= 0) | ((token == eos_id) & ~ignore_eos)
-        return i + 1, cache, logits, active & ~ended, step, remaining, out
+        part_logits, part = jax.lax.cond(jnp.any(active), run, lambda p: (part_logits, p), part)
+        return i + 1, go, part, part_logits, active & ~stop, step + active
 
-    out = jnp.full((active.shape[0], block), -1, jnp.int32)
-    _, cache, logits, *_, out = jax.lax.while_loop(
-        cond, body, (jnp.int32(0), cache, logits, active, step, remaining, out)
-    )
-    return cache, logits, out
+    part, part_logits = take_rows(cache, index, axes), jnp.take(logits, index, axis=0)
+    carry = (jnp.int32(0), jnp.bool_(True), part, part_logits, active, step)
+    _, _, part, part_logits, *_ = jax.lax.while_loop(cond, body, carry)
+    return put_rows(cache, index, part, axes), put_rows(logits, index, part_logits, (0,))
 
 
 @functools.partial(jax.jit, static_argnames=("axes",), donate_argnames=("cache", "logits"))
-def _insert(cache, logits, row, row_logits, slot, *, axes):
-    """Write a one-row cache and its logits ``float32[1, V]`` into row ``slot`` of the batched ones
-    (JetStream's insert): every leaf's row axis (``axes``, per flattened leaf) updated in place."""
-    leaves, tree = jax.tree.flatten(cache)
-    rows = jax.tree.leaves(row)
-    leaves = [
-        jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=a) for x, r, a in zip(leaves, rows, axes)
-    ]
-    return jax.tree.unflatten(tree, leaves), jax.lax.dynamic_update_slice_in_dim(logits, row_logits, slot, axis=0)
+def _put_row(cache, logits, row, row_logits, index, *, axes):
+    """Write a one-row cache and its logits ``float32[1, V]`` into row ``index: int32[1]`` of the
+    batched ones (JetStream's insert), in place."""
+    return put_rows(cache, index, row, axes), put_rows(logits, index, row_logits.astype(logits.dtype), (0,))
 
 
 @functools.partial(jax.jit, static_argnames=("axes",))
-def _extract(cache, logits, slot, *, axes):
-    """Row ``slot`` of the batched cache and logits: the one-row cache's leaves (flattened) and
-    ``float32[1, V]`` (copies)."""
-    rows = [jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=a) for x, a in zip(jax.tree.leaves(cache), axes)]
-    return rows, jax.lax.dynamic_slice_in_dim(logits, slot, 1, axis=0)
-
-
-@jax.jit
-def _copy(tree):
-    """A copy of every leaf (a stored prefix state is copied before a prefill consumes it)."""
-    return jax.tree.map(jnp.copy, tree)
+def _take_row(cache, logits, index, *, axes):
+    """Row ``index: int32[1]`` of the batched cache and logits: the one-row cache's leaves
+    (flattened) and ``float32[1, V]`` (copies)."""
+    return jax.tree.leaves(take_rows(cache, index, axes)), jnp.take(logits, index, axis=0)
