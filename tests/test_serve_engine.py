@@ -211,3 +211,62 @@ def test_slots_shard_over_two_devices_with_a_kivi_cache():
     )
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_cost_follows_busy_rows_one_request_runs_one_row(stories, engine):
+    """One request on a 4-slot engine: every decode step it ran was a 1-row step (the busy rows
+    compacted into the smallest compiled batch), its prefill 1-row calls."""
+    before = engine.stats()
+    r = engine.submit(stories.tokenizer.encode(PROMPTS[4]), SamplingParams(max_tokens=20, ignore_eos=True)).result(60)
+    after = engine.stats()
+    steps, rows = (after[k] - before[k] for k in ("decode_steps_total", "decode_rows_total"))
+    assert len(r.token_ids) == 20 and steps == 20 and rows == 20
+    calls, rows = (after[k] - before[k] for k in ("prefill_calls_total", "prefill_rows_total"))
+    assert rows == calls == 2  # the sinks, then the rest (a chunk never crosses the sink boundary)
+    assert r.token_ids == solo(stories, PROMPTS[4], 20, ignore_eos=True)[0]
+
+
+def test_every_token_is_its_own_event_unless_stream_interval_says_otherwise(stories, engine):
+    """stream_interval=1 (the default): a reply of N tokens arrives in N events carrying one token
+    each (the last with the finish reason); an engine with stream_interval=4 sends them 4 at a time."""
+    events = []
+    ids = stories.tokenizer.encode(PROMPTS[5])
+    r = engine.submit(ids, SamplingParams(max_tokens=13, ignore_eos=True), on_event=events.append)
+    for _ in range(1200):
+        if r.finish_reason is not None:
+            break
+        threading.Event().wait(0.05)
+    assert [len(e.token_ids) for e in events] == [1] * 13 and events[-1].finish_reason == "length"
+    assert "".join(e.text for e in events) == solo(stories, PROMPTS[5], 13, ignore_eos=True)[1]
+    coarse = Engine(stories, SPEC, slots=1, stream_interval=4).start()
+    try:
+        got = list(coarse.submit(ids, SamplingParams(max_tokens=13, ignore_eos=True)).events(60))
+        assert [len(e.token_ids) for e in got] == [4, 4, 4, 1]
+        assert sum((e.token_ids for e in got), []) == r.token_ids
+    finally:
+        coarse.shutdown(timeout=0)
+
+
+def test_a_prompt_arriving_while_others_decode_starts_within_a_step(stories, engine):
+    """A request submitted while another decodes (from inside that one's token delivery, so the
+    moment is exact) samples its first token at most two decode steps later: the decode call
+    running ends after its step, the next step prefills the prompt and decodes it."""
+    tok = stories.tokenizer
+    marks = {}
+
+    def on_long(e):
+        if len(marks) == 0 and e.completion_tokens == 10:
+            marks["submitted"] = engine.stats()["decode_steps_total"]
+            marks["late"] = engine.submit(tok.encode(PROMPTS[0]), SamplingParams(max_tokens=5), on_event=on_late)
+
+    def on_late(e):
+        if "first" not in marks and e.token_ids:
+            marks["first"] = engine.stats()["decode_steps_total"]
+
+    long = engine.submit(tok.encode(PROMPTS[1]), SamplingParams(max_tokens=200, ignore_eos=True), on_event=on_long)
+    for _ in range(1200):
+        if long.finish_reason is not None and "late" in marks and marks["late"].finish_reason is not None:
+            break
+        threading.Event().wait(0.05)
+    assert marks["first"] - marks["submitted"] <= 2, marks
+    assert marks["late"].token_ids == solo(stories, PROMPTS[0], 5)[0]
