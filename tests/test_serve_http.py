@@ -196,6 +196,26 @@ def test_completion_equals_sample(server, stories):
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
+def test_a_stream_of_n_tokens_arrives_in_n_chunks(server, stories):
+    """Every token is sent as it is sampled (llama-server's streaming; --stream-interval 1, the
+    default): 20 tokens, 20 chunks carrying text, then the finish chunk."""
+    prompt, n = "The little dog", 20
+    chunks = list(
+        server.client().completions.create(
+            model="stories260K",
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert chunks[-1].usage.completion_tokens == n and len(texts) == n
+    assert "".join(texts) == _expected(stories, prompt, n, ignore_eos=True)
+
+
 @pytest.mark.slow
 def test_concurrent_clients_equal_solo(server, stories):
     names = [

@@ -120,7 +120,7 @@ METRICS = (
     Metric(
         "jaxkv_inter_token_latency_seconds",
         "histogram",
-        "seconds between generated tokens of a request (a block of k tokens: its gap / k, k times)",
+        "seconds between successive chunks of generated tokens of a request, as the client sees them (vLLM's ITL)",
         "itl",
         False,
         buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
@@ -305,21 +305,19 @@ class _Call:
         self.request = engine.submit(prompt_ids, params, on_event=self._on_event)
 
     def _on_event(self, event) -> None:  # the engine's thread
-        t = time.perf_counter()
         with contextlib.suppress(RuntimeError):  # the event loop is gone (the server is exiting)
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (t, event))
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     async def events(self) -> AsyncIterator:
         """The request's events, the last one with a finish reason."""
         while not self.finished:
-            t, event = await self.queue.get()
-            n = len(event.token_ids)
-            if n:
+            event = await self.queue.get()
+            t = time.perf_counter()  # the chunk goes out now
+            if event.token_ids:
                 if self.last is None:
                     self.metrics["ttft"].observe(t - self.arrived)
                 else:
-                    for _ in range(n):
-                        self.metrics["itl"].observe((t - self.last) / n)
+                    self.metrics["itl"].observe(t - self.last)
                 self.last = t
             if event.finish_reason is not None:
                 self.finished = True
