@@ -1,5 +1,5 @@
-"""Serving: the engine (a request queue, fixed decode slots, prefill -> insert -> generate
-steps, a prefix store) and, above it, a thin OpenAI-compatible ASGI app (:mod:`jaxkv.serve.app`).
+"""Serving: the engine (a request queue, cache rows, steps of batched prompt chunks and
+decoding over the busy rows only, a prefix store) and, above it, a thin OpenAI-compatible ASGI app (:mod:`jaxkv.serve.app`).
 
 The engine is usable without HTTP::
 

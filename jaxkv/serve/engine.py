@@ -1,22 +1,25 @@
-"""The serving engine: a request queue, fixed decode slots, and one scheduling step.
+"""The serving engine: a request queue, ``slots`` cache rows, and one scheduling step.
 
-Continuous batching over fixed shapes (JetStream's prefill / insert / generate): the engine
-holds one batched KV cache of ``slots`` rows, each row one request's bounded cache, and a
-scheduler thread that repeats one :meth:`Engine.step`:
+Continuous batching over fixed shapes whose cost follows the work (vLLM's scheduler, llama.cpp's
+unified batch): the engine holds one batched KV cache of ``slots`` rows, each row one request's
+bounded cache, and a scheduler thread that repeats one :meth:`Engine.step`:
 
-1. *admit*: queued requests take free slots (FIFO). Each starts from the longest prefix of
-   its tokens held in the :class:`~jaxkv.serve.prefix.PrefixStore` (a copy of that one-row
-   cache), or from an empty one-row cache;
-2. *prefill*: the oldest admitted request appends one compiled chunk of its prompt to its
-   one-row cache (:func:`jaxkv.decode.loop.prefill_steps`), so that a long prompt is spread
-   over many steps and never freezes the streams already decoding. A finished prompt's
-   cache is stored as a prefix state and *inserted* into its row of the batched cache (one
-   batch-row update of the cache pytree);
-3. *generate*: one compiled call of ``block`` decode steps over every row (one step while a
-   prompt waits, so that its prefill is not held up): each running row samples its next
-   token from its own logits with its own settings (temperature, top-k, top-p, PRNG key:
-   arrays, not static arguments, so no request compiles anything after :meth:`Engine.warm_up`)
-   and appends it, until its EOS or budget; idle rows append nothing.
+1. *admit*: queued requests take free slots (FIFO). Each row starts from the longest prefix of
+   its tokens held in the :class:`~jaxkv.serve.prefix.PrefixStore` (a one-row cache written into
+   the row), or empty;
+2. *prefill*: one compiled call appends the next chunk of every waiting prompt (ragged rows, in
+   arrival order, as many as fit ``max_num_batched_tokens`` after one token per decoding row),
+   its rows gathered from the batched cache and written back (:mod:`jaxkv.cache.rows`), so a
+   new prompt never waits behind more than one step's budget of other prompts. A prompt's
+   state is stored in the prefix store where it ends (and where it leaves a shared prefix);
+3. *decode*: one compiled call of up to ``block`` steps over the decoding rows only, compacted
+   into the smallest of a few row buckets (powers of two up to ``slots``, all compiled at
+   :meth:`Engine.warm_up`): each row samples its next token from its own logits with its own
+   settings (temperature, top-k, top-p, PRNG key: arrays, not static arguments, so no request
+   compiles anything), and every step hands its tokens to the host inside the call
+   (``io_callback``): they reach their streams as they are sampled (``stream_interval`` tokens
+   per event), and the host ends rows (EOS, a stop string, ``max_tokens``, cancel) and ends the
+   call early when a prompt waits. One client on a 64-slot engine runs 1-row steps.
 
 A request leaves at EOS, a stop string, its ``max_tokens``, a full cache, or :meth:`Request.cancel`
 (a client that went away), and its slot is free at the next step. A row's tokens depend on
@@ -24,7 +27,8 @@ its own prompt and settings alone, never on what shares the batch: greedy output
 :func:`jaxkv.sample` of the same prompt and cache (its token ids, and the text it streams to
 ``on_text``: a completion's first piece keeps its leading space, which ``Generation.text``,
 decoded alone, drops), sampled output with the same ``seed`` too
-(:func:`jaxkv.decode.sampler.sample_rows`).
+(:func:`jaxkv.decode.sampler.sample_rows`). Host callbacks need a backend that runs them (CPU
+and GPU do).
 
 Usage without HTTP::
 
