@@ -23,11 +23,12 @@ Run (the full benchmark: on a quiet machine, it takes a while)::
 What is measured, per request (``time.perf_counter``, on the client):
 
 * TTFT: the request sent -> the first SSE chunk carrying non-empty text.
-* ITL: the gaps between successive text-carrying chunks. A chunk may carry several tokens (jaxkv
-  streams what one engine step produced); the stream does not say how many, only the final usage
-  chunk the total, so each gap is divided by the request's mean tokens per chunk after the first,
-  ``(T - 1) / (C - 1)`` (T output tokens, C text chunks; 1 when every chunk is one token, as
-  llama-server streams). The raw gaps are kept too (``chunk_gaps_s``), and TPOT
+* ITL: the gaps between successive text-carrying chunks, as the client sees them (vLLM's
+  benchmark's ITL). A chunk may carry several tokens (``jaxkv serve --stream-interval N``); the
+  stream does not say how many, only the final usage chunk the total, so the per-token figure
+  divides each gap by the request's mean tokens per chunk after the first, ``(T - 1) / (C - 1)``
+  (T output tokens, C text chunks; 1 when every chunk is one token, as llama-server streams):
+  ``itl_token_*`` in the JSON. Chunks per reply: C, the mean over requests. TPOT
   ``(e2e - TTFT) / (T - 1)`` per request.
 * output tokens: ``usage.completion_tokens`` of the final chunk (``stream_options.include_usage``);
   without one, the text chunks counted. e2e: sent -> the stream's end.
@@ -136,7 +137,9 @@ def summarize(requests: list[dict], wall_s: float) -> dict:
     the successful requests; latencies are in milliseconds."""
     ok = [r for r in requests if r.get("ok")]
     ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
-    itl = [x for r in ok for x in r.get("itl_s") or ()]
+    itl = [x for r in ok for x in r.get("chunk_gaps_s") or ()]
+    itl_token = [x for r in ok for x in r.get("itl_s") or ()]
+    chunks = [r["text_chunks"] for r in ok if r.get("text_chunks") is not None]
     e2e = [r["e2e_s"] for r in ok if r.get("e2e_s") is not None]
     tpot = [r["tpot_s"] for r in ok if r.get("tpot_s") is not None]
     out_tokens = sum(r.get("output_tokens") or 0 for r in ok)
@@ -163,6 +166,9 @@ def summarize(requests: list[dict], wall_s: float) -> dict:
         "itl_p50_ms": ms(itl, 50),
         "itl_p99_ms": ms(itl, 99),
         "itl_mean_ms": mean_ms(itl),
+        "itl_token_p50_ms": ms(itl_token, 50),
+        "itl_token_p99_ms": ms(itl_token, 99),
+        "chunks_per_reply": statistics.fmean(chunks) if chunks else None,
         "tpot_p50_ms": ms(tpot, 50),
         "e2e_p50_ms": ms(e2e, 50),
         "e2e_p99_ms": ms(e2e, 99),
@@ -287,6 +293,7 @@ def markdown_table(rows: list[dict]) -> str:
         "TTFT p99 ms",
         "ITL p50 ms",
         "ITL p99 ms",
+        "chunks/reply",
         "peak RSS MiB",
         "KV MiB",
         "ok/requests",
@@ -310,6 +317,7 @@ def markdown_table(rows: list[dict]) -> str:
                     f(r.get("ttft_p99_ms"), 0),
                     f(r.get("itl_p50_ms")),
                     f(r.get("itl_p99_ms")),
+                    f(r.get("chunks_per_reply")),
                     f(r.get("peak_rss_mib"), 0),
                     f(kv),
                     f"{r.get('ok')}/{r.get('requests')}",
@@ -993,7 +1001,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument(
         "--slots",
-        default="4",
+        default="16",
         help="decode slots of both servers (jaxkv --slots, llama-server -np): "
         "a number, or 'clients' (each case's client count)",
     )

@@ -85,8 +85,26 @@ def test_itl_one_token_per_chunk_and_several():
 
 def test_summarize_fixed_requests():
     reqs = [
-        {"ok": True, "ttft_s": 0.1, "itl_s": [0.01, 0.02], "output_tokens": 3, "e2e_s": 0.13, "tpot_s": 0.015},
-        {"ok": True, "ttft_s": 0.3, "itl_s": [0.03, 0.04], "output_tokens": 3, "e2e_s": 0.37, "tpot_s": 0.035},
+        {
+            "ok": True,
+            "ttft_s": 0.1,
+            "chunk_gaps_s": [0.01, 0.02],
+            "itl_s": [0.01, 0.02],
+            "text_chunks": 3,
+            "output_tokens": 3,
+            "e2e_s": 0.13,
+            "tpot_s": 0.015,
+        },
+        {
+            "ok": True,
+            "ttft_s": 0.3,
+            "chunk_gaps_s": [0.03, 0.04],
+            "itl_s": [0.015, 0.02],
+            "text_chunks": 2,
+            "output_tokens": 3,
+            "e2e_s": 0.37,
+            "tpot_s": 0.035,
+        },
         {"ok": False, "ttft_s": None, "itl_s": [], "output_tokens": 0, "e2e_s": 5.0, "error": "timed out"},
     ]
     s = B.summarize(reqs, wall_s=2.0)
@@ -99,6 +117,8 @@ def test_summarize_fixed_requests():
     assert s["itl_p50_ms"] == pytest.approx(25.0)
     assert s["itl_p99_ms"] == pytest.approx(39.7)
     assert s["itl_mean_ms"] == pytest.approx(25.0)
+    assert s["itl_token_p50_ms"] == pytest.approx(17.5)
+    assert s["chunks_per_reply"] == pytest.approx(2.5)
     assert s["tpot_p50_ms"] == pytest.approx(25.0)
     assert s["e2e_p99_ms"] == pytest.approx(367.6)
     empty = B.summarize([], wall_s=0.0)
@@ -190,6 +210,7 @@ def test_table_and_prompts(tmp_path):
         "ttft_p99_ms": 1500.0,
         "itl_p50_ms": 55.55,
         "itl_p99_ms": None,
+        "chunks_per_reply": 128.0,
         "peak_rss_mib": 700.2,
         "kv_bytes": 3 << 20,
         "ok": 8,
@@ -197,7 +218,7 @@ def test_table_and_prompts(tmp_path):
     }
     table = B.markdown_table([row]).splitlines()
     assert table[0].startswith("| server | clients | req/s | out tok/s | TTFT p50 ms")
-    assert table[2] == "| jaxkv | 4 | 0.500 | 64.0 | 812 | 1500 | 55.5 | - | 700 | 3.0 | 8/8 |"
+    assert table[2] == "| jaxkv | 4 | 0.500 | 64.0 | 812 | 1500 | 55.5 | - | 128.0 | 700 | 3.0 | 8/8 |"
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"w{i}" for i in range(30_000)))
     prompts = B.Prompts(str(text))
