@@ -267,11 +267,16 @@ def test_a_stored_decode_loop_and_prefill_chunk_are_loaded_instead_of_compiled(t
     store: nothing compiles, the tokens are the compiled ones. Another cache spec is another
     file; a damaged file is compiled again (with a warning) and removed; a folder that cannot
     be written is warned about; a user's own Flax module is not stored (its code is not in the key)."""
+    from jax._src import compilation_cache
+
     from jaxkv import generate
     from jaxkv.decode import compile_counts, loop
 
     monkeypatch.setattr(loop, "EXECUTABLE_STORE", str(tmp_path))
-    monkeypatch.setattr(loop, "_EXECUTABLES", {})  # as a fresh process
+    monkeypatch.setattr(loop, "_EXECUTABLES", {})  # as a fresh process, which compiles what it runs:
+    monkeypatch.setattr(compilation_cache, "_cache_checked", True)  # JAX's persistent cache off (the
+    monkeypatch.setattr(compilation_cache, "_cache_used", False)  # suite's, tests/conftest.py, holds
+    jax.clear_caches()  # the programs other tests compiled) and nothing compiled in memory
     model = tiny_loaded(tokenizer=False)
     kwargs = dict(max_new_tokens=12, cache=CacheSpec(sink=2, window=8), block=4)
     compiled = generate(model, [tokens_for(5)], **kwargs).token_ids
