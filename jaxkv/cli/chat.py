@@ -16,11 +16,12 @@ from jaxkv.cli.flags import (
     add_tokenizer_flag,
     boosted_spec,
     cache_spec_from_args,
+    default_cache_from_args,
     kivi_flags,
     sampler_from_args,
 )
 from jaxkv.decode import Sampler
-from jaxkv.decode.chat import ChatSession, default_cache_spec
+from jaxkv.decode.chat import ChatSession
 from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int
 from jaxkv.files import check_writable
 from jaxkv.io import load_model
@@ -220,7 +221,7 @@ def run(args) -> None:
             setattr(ns, k, default)
     if given and ns.streaming_llm_window is None and ns.max_len is None and ns.streaming_llm_sink is None:
         spec = "default"  # only storage/positions flags: the default window with them
-        group_size, residual = kivi_flags(ns)
+        kivi_flags(ns)  # checked before the model loads
     elif given:
         spec = cache_spec_from_args(ns)
     else:
@@ -233,21 +234,7 @@ def run(args) -> None:
             template = f.read()
     model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
     if spec == "default":
-        spec = default_cache_spec(
-            model.config,
-            kv_quantize=ns.kv_quantize,
-            group_size=group_size,
-            residual=residual,
-            positions=ns.positions,
-            k_quantize=ns.kv_quantize_k,
-            v_quantize=ns.kv_quantize_v,
-            residual_dtype=ns.kv_residual_dtype or "float32",
-            pre_rope_keys=bool(ns.kv_pre_rope),
-            hadamard=ns.kv_hadamard or "none",
-            keep=ns.kv_keep or 0,
-            keep_score=ns.kv_keep_score or "recent",
-            keep_quantize=ns.kv_keep_quantize,
-        )
+        spec = default_cache_from_args(ns, model.config)
     if spec is not None:
         spec = boosted_spec(ns, spec, model.config.n_layers)
     path = args.cache_file

@@ -9,6 +9,7 @@ import sys
 
 from jaxkv.cache.spec import QUANT_MODES, CacheSpec, LayerSpecs
 from jaxkv.decode import Sampler, full_cache_len
+from jaxkv.decode.chat import default_cache_spec
 from jaxkv.decode.sampler import SEED_LIMIT
 from jaxkv.errors import CacheSpecError, FieldNames, JaxkvError, check_int
 from jaxkv.models.weights import WEIGHT_FORMATS
@@ -328,6 +329,35 @@ def kivi_flags(args) -> tuple[int, int]:
     return (
         CacheSpec.group_size if args.kv_group_size is None else args.kv_group_size,
         CacheSpec.residual if args.kv_residual is None else args.kv_residual,
+    )
+
+
+def default_cache_from_args(args, config, **sizes) -> CacheSpec:
+    """The bounded default cache of ``jaxkv chat`` and ``jaxkv serve``
+    (:func:`jaxkv.decode.chat.default_cache_spec` for the model's ``config``) in the storage,
+    positions and keep tier the cache flags in ``args`` give; ``sizes``: its ``sink`` and
+    ``slots`` where the command sets them.
+
+    Raises:
+      JaxkvError: as :func:`kivi_flags`, and flags that leave no window (e.g. a sink or KIVI
+      residual as large as the context).
+    """
+    group_size, residual = kivi_flags(args)
+    return default_cache_spec(
+        config,
+        kv_quantize=args.kv_quantize,
+        group_size=group_size,
+        residual=residual,
+        positions=args.positions,
+        k_quantize=args.kv_quantize_k,
+        v_quantize=args.kv_quantize_v,
+        residual_dtype=args.kv_residual_dtype or "float32",
+        pre_rope_keys=bool(args.kv_pre_rope),
+        hadamard=args.kv_hadamard or "none",
+        keep=args.kv_keep or 0,
+        keep_score=args.kv_keep_score or "recent",
+        keep_quantize=args.kv_keep_quantize,
+        **sizes,
     )
 
 

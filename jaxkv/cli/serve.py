@@ -27,9 +27,9 @@ from jaxkv.cli.flags import (
     add_tokenizer_flag,
     boosted_spec,
     cache_spec_from_args,
+    default_cache_from_args,
     kivi_flags,
 )
-from jaxkv.decode.chat import default_cache_spec
 from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int
 from jaxkv.io import load_model
 
@@ -153,24 +153,8 @@ def _default_spec(args, config) -> CacheSpec:
     Raises:
       JaxkvError: flags that leave no window (e.g. a sink or KIVI residual as large as the context).
     """
-    group_size, residual = kivi_flags(args)
-    return default_cache_spec(
-        config,
-        sink=DEFAULT_SINK if args.streaming_llm_sink is None else args.streaming_llm_sink,
-        slots=DEFAULT_CACHE_TOKENS,
-        kv_quantize=args.kv_quantize,
-        group_size=group_size,
-        residual=residual,
-        positions=args.positions,
-        k_quantize=args.kv_quantize_k,
-        v_quantize=args.kv_quantize_v,
-        residual_dtype=args.kv_residual_dtype or "float32",
-        pre_rope_keys=bool(args.kv_pre_rope),
-        hadamard=args.kv_hadamard or "none",
-        keep=args.kv_keep or 0,
-        keep_score=args.kv_keep_score or "recent",
-        keep_quantize=args.kv_keep_quantize,
-    )
+    sink = DEFAULT_SINK if args.streaming_llm_sink is None else args.streaming_llm_sink
+    return default_cache_from_args(args, config, sink=sink, slots=DEFAULT_CACHE_TOKENS)
 
 
 def _api_key(args) -> str | None:
