@@ -621,15 +621,16 @@ def test_bad_specs_name_the_value():
 @pytest.mark.parametrize("name", ["stories", "smollm2"])
 def test_greedy_prefix_match_with_fp32_cache(name, request, capsys):
     """8 prompts (ragged batch), 100 greedy tokens, full caches with G=R=32 (see
-    jaxkv.eval.tables): int8 reproduces >= 99 % of the fp32 tokens on average."""
+    jaxkv.eval.tables): int8 reproduces >= 99 % of the fp32 tokens on average. (The other
+    modes' figures are the table's, scripts/kivi_tables.py: here only int8 has a bound.)"""
     model = request.getfixturevalue(name)
-    result = kivi_tables.greedy_match(model)
+    result = kivi_tables.greedy_match(model, modes=("int8",))
     assert all(len(t) == kivi_tables.NEW_TOKENS for t in result["reference"])
     with capsys.disabled():
         print("\n" + kivi_tables.greedy_markdown({name: result}))
-    for stats in result["modes"].values():
-        assert all(0.0 <= x <= 1.0 for x in stats["per_prompt"])
-    assert result["modes"]["int8"]["mean"] >= 0.99, result["modes"]["int8"]["per_prompt"]
+    stats = result["modes"]["int8"]
+    assert all(0.0 <= x <= 1.0 for x in stats["per_prompt"])
+    assert stats["mean"] >= 0.99, stats["per_prompt"]
 
 
 @pytest.mark.parametrize(
