@@ -18,6 +18,8 @@ from jaxkv import CacheSpec, JaxkvError, KVCache, LlamaConfig, memory_report
 from jaxkv.cli import main
 from jaxkv.models.llama import weight_shapes
 
+pytestmark = pytest.mark.jax_independent  # jaxkv bench's command line and report
+
 SYNTHETIC = "synthetic:L=1,D=64,N=2,K=1,F=128,V=256"
 CONFIG = LlamaConfig(n_layers=1, dim=64, n_heads=2, n_kv_heads=1, head_dim=32, hidden_dim=128, vocab_size=256)
 PROMPT, LENGTHS = 8, (64, 128)

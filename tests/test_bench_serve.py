@@ -13,6 +13,8 @@ import pytest
 
 from paths import REPO
 
+pytestmark = pytest.mark.jax_independent  # pure Python (the stats, the SSE parser)
+
 
 def load_script():
     spec = importlib.util.spec_from_file_location("bench_serve_script", REPO / "scripts" / "bench_serve.py")

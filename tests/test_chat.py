@@ -531,6 +531,7 @@ CRAFTED = {  # a valid checksum, and one field that no chat file holds -> the me
 }
 
 
+@pytest.mark.jax_independent
 @pytest.mark.parametrize("case", sorted(CRAFTED))
 def test_cli_refuses_a_crafted_chat_file_in_one_line_naming_the_field(tmp_path, capsys, case):
     """Each file passes the checksum; ``jaxkv chat --cache-file`` exits 2 with one line naming the
@@ -547,6 +548,7 @@ def test_cli_refuses_a_crafted_chat_file_in_one_line_naming_the_field(tmp_path, 
     assert path.read_bytes() == before and os.listdir(tmp_path) == [path.name]
 
 
+@pytest.mark.jax_independent
 def test_the_console_script_refuses_a_crafted_chat_file(tmp_path, jax_cache):
     path = craft(tmp_path / "negative.chat", tensors={"cache.length": np.array([-5], np.int32)})
     before = path.read_bytes()
@@ -666,6 +668,7 @@ def test_defaults_and_argument_errors():
 STORIES_CHAT_ARGV = [str(STORIES_BIN), "--tokenizer", str(TOK512_MODEL), "--chat-template", TEMPLATE]
 
 
+@pytest.mark.jax_independent
 def test_cli_in_a_pseudo_terminal_answers_and_stored_tokens_stop_at_the_cap(jax_cache):
     """Through a pseudo-terminal (the child sees a tty: it prompts, and Ctrl-D ends it)."""
     pexpect = pytest.importorskip("pexpect")

@@ -9,6 +9,8 @@ from paths import STORIES_BIN, TEXT, TOK512_MODEL
 from jaxkv import CacheSpec, JaxkvError, sample
 from jaxkv.cli import main
 
+pytestmark = pytest.mark.jax_independent  # command-line errors, raised before any program runs
+
 STORIES = [str(STORIES_BIN), "--tokenizer", str(TOK512_MODEL)]
 
 

@@ -12,6 +12,8 @@ from paths import REPO
 
 from jaxkv.cli import build_parser
 
+pytestmark = pytest.mark.jax_independent  # docs/CLI.md against argparse
+
 
 @pytest.fixture(scope="module")
 def generator():

@@ -32,6 +32,8 @@ from jaxkv.cli import _parsers, main
 from jaxkv.models.llama import Llama
 from jaxkv.testing import numpy_weights
 
+pytestmark = pytest.mark.jax_independent  # command-line text and behaviour
+
 STORIES = [str(STORIES_BIN), "--tokenizer", str(TOK512_MODEL)]
 PROMPT = "Once upon a time"
 PERIOD = 426  # tok512's "."

@@ -17,6 +17,8 @@ from paths import REPO, STORIES_BIN, TEXT, TOK512_MODEL
 from jaxkv import JaxkvError
 from jaxkv.files import atomic_write, check_writable
 
+pytestmark = pytest.mark.jax_independent  # file writing on the host
+
 
 def test_replaces_a_file_whole_and_leaves_no_temporary(tmp_path):
     path = tmp_path / "out.json"

@@ -436,6 +436,7 @@ def test_gguf_is_detected_by_magic_or_name_and_damage_is_named(tmp_path):
         load_model_files(lone)
 
 
+@pytest.mark.jax_independent
 def test_cli_refuses_a_gguf_with_a_nan_weight_in_one_line(tmp_path, capsys):
     from jaxkv.cli import main
 

@@ -68,6 +68,7 @@ def test_stories260k_golden_greedy(golden, tokenizer):
     assert out.finish_reason == "length" and len(out.token_ids) == 200
 
 
+@pytest.mark.jax_independent
 def test_cli_prints_golden_text(golden):
     g = golden["stories260K_greedy_from_bos"]
     proc = subprocess.run(

@@ -210,6 +210,7 @@ def _ppl(*extra):
     return ["ppl", str(STORIES_BIN), "--tokenizer", str(TOK512_MODEL), *extra]
 
 
+@pytest.mark.jax_independent
 def test_cli_ppl_prints_perplexity_and_writes_nll(stories, tmp_path, capsys):
     out_txt = tmp_path / "nll.txt"
     rc = main(
@@ -256,6 +257,7 @@ def test_cli_ppl_prints_perplexity_and_writes_nll(stories, tmp_path, capsys):
         ("Once", ("--recompute-window", "8", "--kv-quantize", "int8"), "--recompute-window"),
     ],
 )
+@pytest.mark.jax_independent
 def test_cli_ppl_errors_are_one_line_exit_2(tmp_path, capsys, content, args, message):
     text = tmp_path / "t.txt"
     if content is not None:

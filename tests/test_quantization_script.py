@@ -21,6 +21,8 @@ from jaxkv.eval import bench, greedy_match, perplexity, token_nll
 from jaxkv.eval.report import quantization as q
 from jaxkv.testing import tiny_loaded
 
+pytestmark = pytest.mark.jax_independent  # a script's tables (jaxkv.eval: tested on the floor)
+
 
 def load_script():
     spec = importlib.util.spec_from_file_location("quantization_script", REPO / "scripts" / "quantization.py")

@@ -218,6 +218,7 @@ def test_an_unknown_task_is_refused_with_the_usage(capsys):
     assert code == 2 and "usage: jaxkv eval" in err and "invalid choice: 'needle' (choose from" in err
 
 
+@pytest.mark.jax_independent
 def test_cli_prints_the_table_and_writes_json(capsys, tmp_path):
     out_json = tmp_path / "r.json"
     code, out, err = cli(

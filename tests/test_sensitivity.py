@@ -204,11 +204,13 @@ INT4_FLAGS = ["--kv-quantize", "int4", "--kv-group-size", "16", "--kv-residual",
         ),
     ],
 )
+@pytest.mark.jax_independent
 def test_cli_refuses_bad_boosts_in_one_line(capsys, argv, message):
     code, _, err = cli(capsys, *argv)
     assert code == 2 and err.startswith("jaxkv: error: ") and err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.jax_independent
 def test_cli_ppl_with_boosted_layers_is_token_nll_through_them(capsys):
     code, out, err = cli(
         capsys,
@@ -264,6 +266,7 @@ def test_a_boosted_chat_resumes_from_its_file(tmp_path, capsys, monkeypatch):
     assert replies == [session.send(m) for m in ("Hello", "And then?", "Why?")]
 
 
+@pytest.mark.jax_independent
 @pytest.mark.slow
 def test_cli_sensitivity_table_ranks_by_gain_and_measures_the_suggestions(capsys):
     code, out, err = cli(

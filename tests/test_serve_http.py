@@ -34,6 +34,8 @@ from jaxkv.decode.chat import default_cache_spec
 from jaxkv.serve import engine
 from jaxkv.serve.protocol import FINISH_REASONS
 
+pytestmark = pytest.mark.jax_independent  # the HTTP layer (its engine: test_serve_engine.py)
+
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SPEC = CacheSpec(sink=4, window=60)

@@ -357,6 +357,7 @@ def test_chat_ppl_batch_refuse_the_same_flags_and_write_nothing(capsys, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl"] and prompts.read_text() == '{"prompt": "Once"}\n'
 
 
+@pytest.mark.jax_independent
 def test_huge_tokens_through_the_console_script():
     """The issue's report: ``--tokens 1000000000`` (a full cache sized for it) was RESOURCE_EXHAUSTED."""
     proc = subprocess.run(

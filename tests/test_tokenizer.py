@@ -10,6 +10,8 @@ from paths import MODELS, SMOLLM2
 from jaxkv.errors import JaxkvError, ModelFileError
 from jaxkv.io import Tokenizer, load_gguf_tokenizer, load_tokenizer
 
+pytestmark = pytest.mark.jax_independent  # host tokenizers
+
 GOLDEN = json.loads(paths.GOLDEN.read_text())
 TEXT = paths.TEXT.read_text(encoding="utf-8")
 # Lines with mojibake (non-ASCII), double and trailing spaces are all in the first ~6500.
