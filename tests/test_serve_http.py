@@ -1,7 +1,8 @@
 """``jaxkv serve`` end to end: a real uvicorn subprocess serving the real stories260K model,
 driven by the ``openai`` client and ``httpx`` (docs/SERVING.md).
 
-One server per module (4 slots, no cache flags: the default cache, an API key) for most tests;
+One server per module (4 slots, no cache flags: the default cache, an API key, a prefill budget
+of 32 tokens a step) for most tests;
 a tiny one (1 slot, a queue of 1, sink 4 + window 60) for the queue-full and SIGTERM tests;
 SmolLM2 (which has a chat template) for the one chat test. Outputs are compared with
 :func:`jaxkv.sample` of the same prompt and cache, run in this process.
@@ -107,7 +108,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server(*STORIES, "--slots", "4", "--api-key", KEY)  # no cache flags: the default cache
+    # no cache flags: the default cache; prompts here are short: a budget of 32 tokens a step
+    # warms 3 prefill shapes instead of the default 512's 15 (the warm-up took 54 s of the module)
+    s = Server(*STORIES, "--slots", "4", "--api-key", KEY, "--max-num-batched-tokens", "32")
     yield s
     output = s.output()
     s.stop()
@@ -540,7 +543,8 @@ def test_sigterm_ends_streams_and_exits_0(tiny):
 def test_chat_equals_sample(smollm2):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     expected = _expected(smollm2, messages[0]["content"], 12, SPEC, chat=True)
-    s = Server(str(SMOLLM2), *CACHE_FLAGS, "--slots", "2", "--model-name", "smol", ready_timeout=600)
+    flags = ["--slots", "1", "--max-num-batched-tokens", "32"]  # one request at a time: 2 prefill shapes to warm
+    s = Server(str(SMOLLM2), *CACHE_FLAGS, *flags, "--model-name", "smol", ready_timeout=600)
     try:
         client = s.client()
         r = client.chat.completions.create(model="smol", messages=messages, max_completion_tokens=12, temperature=0)
