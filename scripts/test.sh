@@ -33,6 +33,8 @@ llama_cpp_converter() {
 export JAX_PLATFORMS=cpu
 if [ "${1:-}" = "--quick" ]; then
   shift
+  # Programs compiled by one --quick run are loaded by the next (tests/conftest.py).
+  export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.venv/jax-cache}
   exec .venv/bin/python -m pytest -q -m "not slow" -n 2 -p no:cacheprovider "$@"
 fi
 phase_start=$(date +%s)

@@ -48,6 +48,65 @@ def _suite_compile_cache() -> None:
 _suite_compile_cache()
 
 
+# ---- --compile-counts: the XLA compiles of each test module -----------------------------------
+_COMPILE = "/jax/core/compile/backend_compile_duration"  # a compile or a persistent-cache load
+_HIT = "/jax/compilation_cache/cache_hits"
+_counted = {"programs": 0, "hits": 0, "seconds": 0.0}  # since the last test phase's report
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+    if event == _COMPILE:
+        _counted["programs"] += 1
+        _counted["seconds"] += seconds
+
+
+def _on_event(event: str, **_) -> None:
+    if event == _HIT:
+        _counted["hits"] += 1
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--compile-counts",
+        action="store_true",
+        help="print each test module's XLA programs (compiled, loaded from the persistent cache) and their seconds",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--compile-counts"):
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        jax.monitoring.register_event_listener(_on_event)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's (setup, call, teardown) counts travel in its report (pytest-xdist sends them
+    from the workers)."""
+    report = (yield).get_result()
+    if item.config.getoption("--compile-counts"):
+        report.user_properties.append(("xla", dict(_counted)))
+        _counted.update(programs=0, hits=0, seconds=0.0)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not config.getoption("--compile-counts"):
+        return
+    modules: dict[str, list] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for key, n in getattr(report, "user_properties", ()):
+                if key == "xla":
+                    m = modules.setdefault(report.nodeid.split("::")[0], [0, 0, 0.0])
+                    m[0], m[1], m[2] = m[0] + n["programs"] - n["hits"], m[1] + n["hits"], m[2] + n["seconds"]
+    terminalreporter.section("XLA programs per test module")
+    terminalreporter.write_line(f"{'compiled':>9} {'loaded':>7} {'seconds':>8}  module")
+    for name, (compiled, hits, seconds) in sorted(modules.items(), key=lambda kv: -kv[1][2]):
+        terminalreporter.write_line(f"{compiled:9d} {hits:7d} {seconds:8.1f}  {name}")
+    total = [sum(m[i] for m in modules.values()) for i in range(3)]
+    terminalreporter.write_line(f"{total[0]:9d} {total[1]:7d} {total[2]:8.1f}  in all")
+
+
 @pytest.fixture(scope="session")
 def golden():
     return json.loads(GOLDEN.read_text())
