@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.decode import check_token_ids, chunk_len, count_compiles, new_cache, plan_chunks
+from jaxkv.decode.loop import placed
 from jaxkv.errors import CacheFullError, JaxkvError, check_int
 from jaxkv.files import atomic_write
 from jaxkv.io import LoadedModel
@@ -170,14 +171,14 @@ def token_nll(
 
         def collect(pending):
             i, n, nll = pending
-            out[i : i + n] = np.asarray(nll[0, :n], np.float64)
+            out[i : i + n] = np.asarray(nll)[0, :n]  # sliced on the host: no eager XLA program per shape
             bar.update(n)
 
         pending = None
         for c in plan_chunks(spec, [start], [n_in], t):
             tokens, targets = c.take([ids], t), c.take([ids], t, shift=1)
             with count_compiles("nll"):
-                nll, kv = nll_chunk(graphdef, state, jnp.asarray(tokens), jnp.asarray(targets), jnp.asarray(c.n), kv)
+                nll, kv = nll_chunk(graphdef, state, placed(tokens), placed(targets), placed(c.n), kv)
             if pending is not None:  # read the previous chunk while this one runs
                 collect(pending)
             pending = (int(c.offsets[0]), int(c.n[0]), nll)
