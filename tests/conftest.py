@@ -49,19 +49,21 @@ _suite_compile_cache()
 
 
 # ---- --compile-counts: the XLA compiles of each test module -----------------------------------
-_COMPILE = "/jax/core/compile/backend_compile_duration"  # a compile or a persistent-cache load
-_HIT = "/jax/compilation_cache/cache_hits"
 _counted = {"programs": 0, "hits": 0, "seconds": 0.0}  # since the last test phase's report
 
 
 def _on_duration(event: str, seconds: float, **_) -> None:
-    if event == _COMPILE:
+    from jaxkv.decode import loop  # imported after the platform is set
+
+    if event == loop.COMPILE_EVENT:  # a compile or a persistent-cache load
         _counted["programs"] += 1
         _counted["seconds"] += seconds
 
 
 def _on_event(event: str, **_) -> None:
-    if event == _HIT:
+    from jaxkv.decode import loop
+
+    if event == loop.CACHE_HIT_EVENT:
         _counted["hits"] += 1
 
 

@@ -135,11 +135,18 @@ _CACHE_LOADS: Counter = Counter()  # of those, executables JAX's persistent cach
 _PROGRAM = threading.local()
 
 
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+"""JAX's monitoring event (with a duration) of one backend compile, or of one executable loaded
+from the persistent compilation cache."""
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+"""JAX's monitoring event of one executable loaded from the persistent compilation cache."""
+
+
 def _on_event(event: str, *args, **kwargs) -> None:
     program = getattr(_PROGRAM, "name", None)
-    if program is not None and event == "/jax/core/compile/backend_compile_duration":
+    if program is not None and event == COMPILE_EVENT:
         _COMPILES[program] += 1
-    elif program is not None and event == "/jax/compilation_cache/cache_hits":
+    elif program is not None and event == CACHE_HIT_EVENT:
         _CACHE_LOADS[program] += 1
 
 
