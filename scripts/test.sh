@@ -35,7 +35,7 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   # Programs compiled by one --quick run are loaded by the next (tests/conftest.py).
   export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.venv/jax-cache}
-  exec .venv/bin/python -m pytest -q -m "not slow" -n 2 -p no:cacheprovider "$@"
+  exec .venv/bin/python -m pytest -q -m "not slow" -n 2 --dist loadgroup -p no:cacheprovider "$@"
 fi
 phase_start=$(date +%s)
 phases=""
@@ -44,12 +44,19 @@ phase() {  # $1: the phase that just ended
   phases="$phases$1: $(( now - phase_start )) s; "
   phase_start=$now
 }
-# The converter downloads while the venvs install (one after the other: each editable install
-# writes jaxkv.egg-info in this tree).
+# The converter downloads and the floor's pinned stack (jaxlib, flax and what they need: most of
+# that venv) installs while .venv installs; the two editable installs of jaxkv run one after the
+# other (each writes jaxkv.egg-info in this tree).
+FLOOR=("jax==0.5.0" "jaxlib==0.5.0" "flax==0.10.4" "chex==0.1.90" "numpy<2.3")
 llama_cpp_converter >/tmp/jaxkv-converter.$$.log 2>&1 &
 converter=$!
+floor_log=/tmp/jaxkv-floor-install.$$.log
+{ [ -x .venv-floor/bin/python ] || "$PY" -m venv .venv-floor; } && .venv-floor/bin/python -m pip install -q "${FLOOR[@]}" >"$floor_log" 2>&1 &
+floor_stack=$!
 setup .venv "torch==2.13.0" "transformers>=5.0,<6"
-setup .venv-floor "jax==0.5.0" "jaxlib==0.5.0" "flax==0.10.4" "chex==0.1.90" "numpy<2.3"
+wait "$floor_stack" || { cat "$floor_log"; exit 1; }
+rm -f "$floor_log"
+setup .venv-floor "${FLOOR[@]}"
 wait "$converter" || { cat /tmp/jaxkv-converter.$$.log; echo "llama.cpp's converter not available: the GGUF family tests will be skipped"; }
 rm -f /tmp/jaxkv-converter.$$.log
 phase "install"
@@ -67,9 +74,9 @@ phase "lint"
 # On the floor, the fast tests whose behaviour the jax version can change (not the command-line
 # text, the docs checks, the HTTP layer: marked jax_independent).
 echo "== fast tests on the jax-metal floor: $(.venv-floor/bin/python -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__)')"
-.venv-floor/bin/python -m pytest -q -m "not slow and not jax_independent" -n 2 -p no:cacheprovider --durations=25
+.venv-floor/bin/python -m pytest -q -m "not slow and not jax_independent" -n 2 --dist loadgroup -p no:cacheprovider --durations=25
 phase "floor tests"
 echo "== full suite on current jax: $(.venv/bin/python -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__)')"
-.venv/bin/python -m pytest -q -n 2 -p no:cacheprovider --durations=25 "$@"
+.venv/bin/python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider --durations=25 "$@"
 phase "full suite"
 echo "phases: $phases"
