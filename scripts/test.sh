@@ -18,12 +18,24 @@ setup() {  # $1 venv dir, $2.. extra pip requirements (the venv's own pip: no up
 # The references of the model families (tests/test_families.py): Hugging Face transformers on
 # a CPU PyTorch (torch 2.13.0 installs from this machine's disk), and llama.cpp's own HF->GGUF
 # converter, unpacked (three paths, ~2 MB) from the llama-cpp-python source distribution on
-# PyPI into ~/.cache/jaxkv/llama.cpp once (nothing is built).
+# PyPI into ~/.cache/jaxkv/llama.cpp once (nothing is built). The file is fetched by its PyPI
+# address and checked against its SHA-256 (`pip download --no-binary :all:` prepares the
+# package's metadata first, building scikit-build-core and its own build requirements from
+# source: minutes on a machine without pip's cache).
+LLAMA_CPP_SDIST=https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/llama_cpp_python-0.3.36.tar.gz
+LLAMA_CPP_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 llama_cpp_converter() {
   local dest=${JAXKV_LLAMA_CPP:-$HOME/.cache/jaxkv/llama.cpp}
   [ -f "$dest/convert_hf_to_gguf.py" ] && return 0
   local tmp; tmp=$(mktemp -d)
-  "$PY" -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==0.3.36" -d "$tmp" || return 1
+  "$PY" - "$LLAMA_CPP_SDIST" "$LLAMA_CPP_SHA256" "$tmp"/llama_cpp_python-0.3.36.tar.gz <<'EOF' || return 1
+import hashlib, sys, urllib.request
+url, sha256, path = sys.argv[1:]
+data = urllib.request.urlopen(url, timeout=120).read()
+if hashlib.sha256(data).hexdigest() != sha256:
+    sys.exit(f"{url}: SHA-256 {hashlib.sha256(data).hexdigest()}, expected {sha256}")
+open(path, "wb").write(data)
+EOF
   tar -xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp" --wildcards '*/vendor/llama.cpp/convert_hf_to_gguf.py' \
     '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
   mkdir -p "$(dirname "$dest")" && rm -rf "$dest" && mv "$tmp"/llama_cpp_python-0.3.36/vendor/llama.cpp "$dest"
