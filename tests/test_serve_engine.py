@@ -103,6 +103,21 @@ def test_eos_ends_a_request_in_a_full_cache_as_sample_does(stories):
         engine.shutdown(timeout=0)
 
 
+def test_a_window_below_the_smallest_prefill_bucket_prefills_in_chunks_of_the_window(stories):
+    """A window of 12 (or a budget of 10 tokens a step) caps the prefill chunk below the smallest
+    power-of-two bucket: the chunk is the cap itself, and greedy output is still jaxkv.sample's
+    (the engine once failed to start here, its list of chunk sizes empty)."""
+    spec = jaxkv.CacheSpec(sink=4, window=12)
+    assert Engine(stories, SPEC, slots=1, max_num_batched_tokens=10).chunk_buckets == (10,)
+    engine = Engine(stories, spec, slots=1).start()
+    try:
+        assert engine.chunk_buckets == (12,)
+        r = engine.submit(stories.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=30, ignore_eos=True))
+        assert r.result(60).token_ids == solo(stories, PROMPTS[0], 30, spec=spec, ignore_eos=True)[0]
+    finally:
+        engine.shutdown(timeout=0)
+
+
 def test_prng_keys_are_made_on_the_host_as_jax_makes_them():
     for seed in (0, 1, 7, 2**31, 2**32 - 1):
         assert np.array_equal(np.array((0, seed), np.uint32), np.asarray(jax.random.PRNGKey(seed))), seed

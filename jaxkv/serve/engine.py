@@ -329,9 +329,9 @@ class Engine:
         self._axes = batch_axes(
             self.spec, n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim
         )
-        self._row_tree = jax.tree.structure(loop.new_cache(config, spec, 1))
         self._row_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._empty_row = self._new_row()
+        self._row_tree = jax.tree.structure(self._empty_row)
         vocab = config.vocab_size
         self._logits = self._placed(np.zeros((slots, vocab), np.float32), rows=True)
         self._empty_logits = self._row_placed(jnp.zeros((1, vocab), jnp.float32))
@@ -339,7 +339,7 @@ class Engine:
         self.row_buckets = (slots,) if mesh is not None else tuple(sorted({*_powers_of_two(slots), slots}))
         cap = min(loop.chunk_len(self.spec, INT32_LIMIT, self.prefill_chunk), self.max_num_batched_tokens)
         self.chunk_buckets = tuple(t for t in _powers_of_two(cap + 1) if t >= min(PREFILL_MIN, cap))
-        if self.chunk_buckets[-1] != cap:  # cap itself (a window of 252 prefills chunks of 252)
+        if not self.chunk_buckets or self.chunk_buckets[-1] != cap:  # cap itself (a window of 252: chunks of 252)
             self.chunk_buckets += (cap,)
         self._rows: list[_Slot | None] = [None] * slots
         self._temperature = np.zeros(slots, np.float32)
@@ -369,7 +369,8 @@ class Engine:
 
         Args:
           prompt_ids: the prompt's token ids (at least one), as the model reads them (BOS,
-            chat template: :func:`jaxkv.decode.encode_prompt`).
+            chat template: :func:`jaxkv.decode.encode_prompt` for a text,
+            :func:`jaxkv.decode.prompt.encode_messages` for a message list).
           params: the request's :class:`SamplingParams`.
         Raises:
           JaxkvError: an empty prompt or ids outside the vocabulary; ContextLengthError (a
@@ -456,14 +457,8 @@ class Engine:
         with loop.count_compiles("serve"):
             self._reset_row(0, self._empty_row, self._empty_logits)
             for rows, t in self._prefill_shapes():
-                index = np.arange(rows, dtype=np.int32)
-                self._cache, self._logits = _prefill_rows(
-                    self._graphdef,
-                    self._state,
-                    self._cache,
-                    self._logits,
-                    *(self._placed(x) for x in (index, np.zeros((rows, t), np.int32), np.zeros(rows, np.int32))),
-                    axes=self._axes,
+                self._prefill_call(
+                    np.arange(rows, dtype=np.int32), np.zeros((rows, t), np.int32), np.zeros(rows, np.int32)
                 )
             self._extract(0)
             for rows in self.row_buckets:
@@ -593,14 +588,7 @@ class Engine:
         for j, slot in zip(at, chosen):
             tokens[j, : n[j]] = self._rows[slot].todo[: n[j]]
         t0 = time.perf_counter()
-        self._cache, self._logits = _prefill_rows(
-            self._graphdef,
-            self._state,
-            self._cache,
-            self._logits,
-            *(self._placed(x) for x in (index, tokens, n)),
-            axes=self._axes,
-        )
+        self._prefill_call(index, tokens, n)
         jax.block_until_ready(self._logits)
         self.counts["prefill_s"] += time.perf_counter() - t0
         self.counts["prefill_calls"] += 1
@@ -618,6 +606,18 @@ class Engine:
             else:
                 self._start_decoding(slot, row)
         return True
+
+    def _prefill_call(self, index: np.ndarray, tokens: np.ndarray, n: np.ndarray) -> None:
+        """One compiled :func:`_prefill_rows` call on the batched cache and logits (in place):
+        ``tokens: int32[R, T]`` (``n: int32[R]`` valid per row) appended to rows ``index: int32[R]``."""
+        self._cache, self._logits = _prefill_rows(
+            self._graphdef,
+            self._state,
+            self._cache,
+            self._logits,
+            *(self._placed(x) for x in (index, tokens, n)),
+            axes=self._axes,
+        )
 
     def _start_decoding(self, slot: int, row: _Slot) -> None:
         p = row.request.params
