@@ -114,8 +114,8 @@ def add_parser(sub) -> None:
         type=int,
         default=512,
         metavar="N",
-        help="tokens per engine step at most (vLLM's name): every decoding slot's next token first, "
-        "then waiting prompts' chunks in the rest (default: %(default)s)",
+        help="the token budget of an engine step (vLLM's name): every decoding slot's next token first, "
+        "then waiting prompts' chunks in the rest; one prompt's chunk alone may take it all (default: %(default)s)",
     )
     s.add_argument(
         "--stream-interval",

@@ -278,8 +278,10 @@ class Engine:
       block: decode steps per compiled call at most. A call ends early, after the step in
         which it happens, when a request waits to be prefilled or a row finishes while
         others wait, so the call's length never delays a prompt by more than one step.
-      max_num_batched_tokens: tokens per scheduling step at most (vLLM's name): every decoding
-        row's next token first, then waiting prompts' chunks in the rest of the budget, >= 1.
+      max_num_batched_tokens: the token budget of a scheduling step (vLLM's name): every decoding
+        row's next token first, then waiting prompts' chunks in the rest of the budget; one
+        prompt's chunk alone may take the whole budget (so prompts go on prefilling while many
+        rows decode), and no chunk is longer. >= 1.
       stream_interval: tokens per event a decoding row delivers at most (vLLM's name): 1 sends
         every token as it is sampled; N > 1 batches N tokens into one event, >= 1.
       mesh: a :func:`jaxkv.decode.parallel.make_mesh` mesh: slots shard over its ``data``
@@ -549,8 +551,10 @@ class Engine:
 
     def _plan_prefill(self, n_decoding: int) -> tuple[list[int], int]:
         """The slots that prefill in this step and the chunk length T: every prompt waiting (in
-        the order they came) while rows x ``PREFILL_MIN`` fit the budget left after one token per
-        decoding row, T the largest chunk bucket that covers their longest part and fits."""
+        the order they came) while rows x the smallest chunk bucket fit the budget left after one
+        token per decoding row (at least that bucket), T the smallest chunk bucket that covers
+        their longest part and fits (a one-row call: any bucket, up to the whole budget), else
+        the largest that fits."""
         budget = max(self.max_num_batched_tokens - n_decoding, self.chunk_buckets[0])
         waiting = sorted(
             (s for s, r in enumerate(self._rows) if r is not None and r.todo),
