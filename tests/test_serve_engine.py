@@ -244,7 +244,8 @@ def test_cost_follows_busy_rows_one_request_runs_one_row(stories, engine):
 
 def test_every_token_is_its_own_event_unless_stream_interval_says_otherwise(stories, engine):
     """stream_interval=1 (the default): a reply of N tokens arrives in N events carrying one token
-    each (the last with the finish reason); an engine with stream_interval=4 sends them 4 at a time."""
+    each (the last with the finish reason); an engine with stream_interval=4 sends them 4 at a time,
+    and a shutdown ends a request with the tokens it had not yet sent."""
     events = []
     ids = stories.tokenizer.encode(PROMPTS[5])
     r = engine.submit(ids, SamplingParams(max_tokens=13, ignore_eos=True), on_event=events.append)
@@ -259,8 +260,16 @@ def test_every_token_is_its_own_event_unless_stream_interval_says_otherwise(stor
         got = list(coarse.submit(ids, SamplingParams(max_tokens=13, ignore_eos=True)).events(60))
         assert [len(e.token_ids) for e in got] == [4, 4, 4, 1]
         assert sum((e.token_ids for e in got), []) == r.token_ids
+        # a shutdown ends a row with the tokens it had not yet sent in its last event
+        coarse.stream_interval = 10_000  # no event before the end
+        long = coarse.submit(ids, SamplingParams(max_tokens=2000, ignore_eos=True))
+        while coarse.stats()["completion_tokens_total"] <= 13:
+            threading.Event().wait(0.01)
     finally:
         coarse.shutdown(timeout=0)
+    sampled = coarse.stats()["completion_tokens_total"] - 13
+    assert long.finish_reason == "interrupted" and 0 < len(long.token_ids) == sampled < 2000
+    assert (long.token_ids, long.text) == solo(stories, PROMPTS[5], sampled, ignore_eos=True)[:2]
 
 
 def test_a_prompt_arriving_while_others_decode_starts_within_a_step(stories, engine):

@@ -742,10 +742,13 @@ class Engine:
         request._emit(row.new, "".join(row.pending), row.reason)
 
     def _release(self, slot: int, reason: str, error: str | None = None) -> None:
-        """Free ``slot`` and end its request with ``reason``."""
+        """Free ``slot`` and end its request with ``reason``; a decoding row's last event carries
+        the tokens and text it had not yet sent (``stream_interval`` > 1)."""
         row, self._rows[slot] = self._rows[slot], None
         if row is not None and row.request.finish_reason is None:
-            row.request._emit([], "", reason, error)
+            if row.decoding:
+                row.stream.flush()
+            row.request._emit(row.new, "".join(row.pending), reason, error)
 
     def _interrupt_all(self, reason: str = "interrupted", error: str | None = None) -> None:
         """End every queued, prefilling and decoding request with ``reason``."""
