@@ -47,7 +47,7 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   # Programs compiled by one --quick run are loaded by the next (tests/conftest.py).
   export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.venv/jax-cache}
-  exec .venv/bin/python -m pytest -q -m "not slow" -n 2 --dist loadgroup -p no:cacheprovider "$@"
+  exec .venv/bin/python -m pytest -q -m "not slow" -n 2 -p no:cacheprovider "$@"
 fi
 phase_start=$(date +%s)
 phases=""
@@ -86,9 +86,9 @@ phase "lint"
 # On the floor, the fast tests whose behaviour the jax version can change (not the command-line
 # text, the docs checks, the HTTP layer: marked jax_independent).
 echo "== fast tests on the jax-metal floor: $(.venv-floor/bin/python -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__)')"
-.venv-floor/bin/python -m pytest -q -m "not slow and not jax_independent" -n 2 --dist loadgroup -p no:cacheprovider --durations=25
+.venv-floor/bin/python -m pytest -q -m "not slow and not jax_independent" -n 2 -p no:cacheprovider --durations=25
 phase "floor tests"
 echo "== full suite on current jax: $(.venv/bin/python -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__)')"
-.venv/bin/python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider --durations=25 "$@"
+.venv/bin/python -m pytest -q -n 2 -p no:cacheprovider --durations=25 "$@"
 phase "full suite"
 echo "phases: $phases"

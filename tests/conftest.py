@@ -81,17 +81,6 @@ def pytest_configure(config):
         jax.monitoring.register_event_listener(_on_event)
 
 
-def pytest_itemcollected(item):
-    """A test that uses a module-scoped fixture (a server process, an engine's warm-up, a
-    two-process run, built model folders) runs on the pytest-xdist worker of its module's other
-    such tests (``--dist loadgroup``, as ``scripts/test.sh`` runs them), so that the fixture is
-    set up once, not once per worker. (Marked as it is collected: pytest-xdist reads the marks
-    in its own ``pytest_collection_modifyitems``.)"""
-    defs = getattr(item, "_fixtureinfo", None)
-    if defs and any(d[-1].scope == "module" for d in defs.name2fixturedefs.values()):
-        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Each phase's (setup, call, teardown) counts travel in its report (pytest-xdist sends them
