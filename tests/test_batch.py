@@ -24,7 +24,7 @@ import pytest
 
 from paths import REPO, STORIES_BIN, TOK512_MODEL
 
-from jaxkv import CacheSpec, JaxkvError, generate, sample
+from jaxkv import CacheSpec, JaxkvError, Sampler, generate, sample
 from jaxkv.cache import kv
 from jaxkv.cache.ring import write_ring
 from jaxkv.cli import main
@@ -65,24 +65,32 @@ def test_ragged_greedy_rows_equal_each_prompt_alone(spec):
 
 
 def test_sampled_row_depends_on_its_seed_not_its_batch():
+    """A row's draws are jaxkv.generate's for its prompt alone with its seed, whatever shares its
+    batch (rows at other temperatures, greedy ones included: one compiled loop)."""
     lm = tiny_loaded(tokenizer=False)
     target = Row(ids=prompt(9, 1), max_new_tokens=10, temperature=0.9, seed=1234)
-    others = [Row(ids=prompt(n, 2 + n), max_new_tokens=10, temperature=0.9, seed=n) for n in (3, 20, 33)]
+    others = [
+        Row(ids=prompt(n, 2 + n), max_new_tokens=10, temperature=t, seed=n) for n, t in ((3, 0.0), (20, 0.5), (33, 0.9))
+    ]
     alone = run_rows(lm, [target], batch_size=1, cache=FP)[0]
     mixed = run_rows(lm, others[:2] + [target] + others[2:], batch_size=4, cache=FP)
     assert mixed[2].token_ids == alone.token_ids
+    solo = generate(lm, [target.ids], max_new_tokens=10, cache=FP, sampler=Sampler(temperature=0.9), seed=1234)
+    assert alone.token_ids == solo.token_ids[0]
+    greedy = generate(lm, [others[0].ids], max_new_tokens=10, cache=FP)
+    assert mixed[0].token_ids == greedy.token_ids[0]
     reseeded = run_rows(lm, [Row(ids=target.ids, max_new_tokens=10, temperature=0.9, seed=99)], batch_size=1, cache=FP)[
         0
     ]
     assert reseeded.token_ids != alone.token_ids
 
 
-def test_plan_groups_by_temperature_sorts_by_length_and_pads_to_few_shapes():
+def test_plan_sorts_by_length_whatever_the_temperature_and_pads_to_few_shapes():
     rows = [
         Row(ids=[1] * n, max_new_tokens=1, temperature=t)
         for n, t in [(5, 0.0), (1, 0.7), (9, 0.0), (2, 0.0), (3, 0.7), (7, 0.0), (4, 0.0)]
     ]
-    assert plan_batches(rows, 2) == [[3, 6], [0, 5], [2], [1, 4]]
+    assert plan_batches(rows, 2) == [[1, 3], [4, 6], [0, 5], [2]]
     assert [padded_batch_size(n, 16) for n in (16, 9, 5, 3, 1)] == [16, 16, 8, 4, 1]
     assert [padded_batch_size(n, 6, multiple=4) for n in (6, 3, 1)] == [8, 4, 4]
 

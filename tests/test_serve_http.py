@@ -169,6 +169,10 @@ def test_health_models_metrics(server):
         "jaxkv_prompt_tokens_total",
         "jaxkv_completion_tokens_total",
         "jaxkv_cached_tokens_total",
+        "jaxkv_decode_calls_total",
+        "jaxkv_decode_rows_total",
+        "jaxkv_prefill_calls_total",
+        "jaxkv_prefill_rows_total",
         "jaxkv_time_to_first_token_seconds_count",
         "jaxkv_inter_token_latency_seconds_count",
     ):

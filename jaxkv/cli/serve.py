@@ -4,7 +4,7 @@
 The port is bound first (a port in use is one error line, before the model loads); uvicorn
 serves at once while the engine warms up in a thread (``/health`` answers 503 until it is
 ready), and one line on stderr says when it is, naming the cache: without --streaming-llm-window
-or --max-len, the bounded default of :data:`DEFAULT_CACHE_TOKENS`. SIGTERM or SIGINT: no new requests, the
+or --max-len, the bounded default of :data:`~jaxkv.decode.chat.DEFAULT_CACHE_TOKENS`. SIGTERM or SIGINT: no new requests, the
 in-flight ones get ``--shutdown-timeout`` seconds, then end (finish reason ``length``), their
 streams closed with ``[DONE]``; the command exits 0. docs/SERVING.md has the details.
 """
@@ -30,16 +30,11 @@ from jaxkv.cli.flags import (
     default_cache_from_args,
     kivi_flags,
 )
+from jaxkv.decode.chat import DEFAULT_CACHE_TOKENS, DEFAULT_SINK
 from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int
 from jaxkv.io import load_model
 
 API_KEY_ENV = "JAXKV_API_KEY"
-DEFAULT_SINK = 4
-DEFAULT_CACHE_TOKENS = 1024
-"""Without --streaming-llm-window or --max-len: each slot's cache is a StreamingLLM cache of
-:data:`DEFAULT_SINK` sinks and a window filling ``min(DEFAULT_CACHE_TOKENS, the model's trained
-context)`` tokens with RoPE positions ``cache`` (ranks in the cache, so never beyond the trained
-context), as ``jaxkv chat``'s default (:func:`jaxkv.decode.chat.default_cache_spec`)."""
 
 
 def add_parser(sub) -> None:
@@ -147,14 +142,17 @@ def add_parser(sub) -> None:
 
 
 def _default_spec(args, config) -> CacheSpec:
-    """The cache of a ``jaxkv serve`` without --streaming-llm-window or --max-len
-    (:data:`DEFAULT_CACHE_TOKENS`), in the storage the other cache flags give.
+    """The cache of a ``jaxkv serve`` without --streaming-llm-window or --max-len: ``jaxkv chat``'s
+    default (:func:`jaxkv.decode.chat.default_cache_spec`: a StreamingLLM cache of
+    :data:`~jaxkv.decode.chat.DEFAULT_SINK` sinks and a window filling
+    ``min(DEFAULT_CACHE_TOKENS, the model's trained context)`` tokens, RoPE positions ``cache``),
+    in the storage the other cache flags give.
 
     Raises:
       JaxkvError: flags that leave no window (e.g. a sink or KIVI residual as large as the context).
     """
     sink = DEFAULT_SINK if args.streaming_llm_sink is None else args.streaming_llm_sink
-    return default_cache_from_args(args, config, sink=sink, slots=DEFAULT_CACHE_TOKENS)
+    return default_cache_from_args(args, config, sink=sink)
 
 
 def _api_key(args) -> str | None:

@@ -6,19 +6,19 @@
 
 How rows become compiled calls:
 
-* Rows are grouped by sampler (their temperature: the sampler is a static argument of
-  the compiled decode loop, so each distinct temperature is one group and one compile),
-  sorted by prompt length inside a group (less padding: rows of one batch have similar
-  lengths) and cut into batches of ``batch_size`` rows.
+* Rows are sorted by prompt length (less padding: rows of one batch have similar lengths)
+  and cut into batches of ``batch_size`` rows, whatever their temperatures: each row's
+  sampler is an array entry of the compiled decode loop, not a static argument.
 * A short last batch is padded with one-token filler rows (budget 1) up to the next power
   of two, and every batch to a multiple of the mesh's ``data`` size, so batch shapes stay
   few. Prefill chunks are powers of two (:func:`jaxkv.decode.prefill`); a full cache is
   sized ``full_cache_len(the largest prompt + budget of its rows)`` (multiples of 256 slots).
-  Each (batch size, chunk, cache spec, sampler) is compiled once and reused.
+  Each (batch size, chunk, cache spec) is compiled once and reused.
 * Rows finish independently (EOS, their own ``max_new_tokens``, a full cache); finished
   rows append nothing while the others go on.
 * Every row has its own PRNG seed (its ``seed``, else ``--seed + index``), so a sampled
-  row's tokens do not depend on which rows share its batch.
+  row's tokens do not depend on which rows share its batch: they are what
+  :func:`jaxkv.sample` draws for its prompt with that seed.
 """
 
 from __future__ import annotations
@@ -238,15 +238,9 @@ class BatchStats:
 
 
 def plan_batches(rows: Sequence[Row], batch_size: int) -> list[list[int]]:
-    """Row indices per batch: grouped by temperature, sorted by prompt length, cut into ``batch_size``."""
-    groups: dict[float, list[int]] = {}
-    for i, r in enumerate(rows):
-        groups.setdefault(float(r.temperature), []).append(i)
-    batches = []
-    for t in sorted(groups):
-        order = sorted(groups[t], key=lambda i: (len(rows[i].ids), i))
-        batches += [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
-    return batches
+    """Row indices per batch: sorted by prompt length (then input order), cut into ``batch_size``."""
+    order = sorted(range(len(rows)), key=lambda i: (len(rows[i].ids), i))
+    return [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
 
 
 def padded_batch_size(n_rows: int, batch_size: int, multiple: int = 1) -> int:
@@ -391,13 +385,12 @@ def run_rows(
             b = padded_batch_size(len(batch), batch_size, parallel.data_size(mesh))
             padded = batch + [filler] * (b - len(batch))
             spec = resolve_cache(cache, max(len(r.ids) + r.max_new_tokens for r in batch))
-            sampler = Sampler(temperature=batch[0].temperature, top_k=top_k, top_p=top_p)
             out = prefill_and_decode(
                 model,
                 new_cache(model.config, spec, b, mesh=mesh),
                 [list(r.ids) for r in padded],
                 max_new_tokens=[r.max_new_tokens for r in padded],
-                sampler=sampler,
+                sampler=[Sampler(temperature=r.temperature, top_k=top_k, top_p=top_p) for r in padded],
                 seed=[r.seed % SEED_LIMIT for r in padded],
                 block=block,
                 eos_id=eos_id,

@@ -80,6 +80,12 @@ _REPLY_SENTINEL = "JAXKV_SENTINEL_REPLY_8c1f"
 _SAMPLED_ELEMENTS = 4096  # elements hashed per non-embedding weight in the model fingerprint
 
 
+DEFAULT_SINK = 4
+DEFAULT_CACHE_TOKENS = 1024
+"""The default cache's sinks and retained tokens (:func:`default_cache_spec`: ``jaxkv chat``'s and
+``jaxkv serve``'s cache when no cache size is given), capped by the model's trained context."""
+
+
 def default_cache_spec(
     config,
     *,
@@ -87,8 +93,8 @@ def default_cache_spec(
     group_size: int = 32,
     residual: int = 128,
     positions: str = "cache",
-    sink: int = 4,
-    slots: int = 1024,
+    sink: int = DEFAULT_SINK,
+    slots: int = DEFAULT_CACHE_TOKENS,
     k_quantize: str | None = None,
     v_quantize: str | None = None,
     residual_dtype: str = "float32",

@@ -36,22 +36,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.experimental import io_callback
 
 from jaxkv.cache.kv import KVCache, cache_bytes
 from jaxkv.cache.memory import element_bits
 from jaxkv.cache.retention import OBSERVE, pooled
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.decode import parallel
-from jaxkv.decode.sampler import Sampler, prng_keys
+from jaxkv.decode.sampler import Sampler, SamplingRows, prng_keys, sample_rows, step_keys
 from jaxkv.errors import INT32_LIMIT, CacheFullError, JaxkvError
 from jaxkv.io import LoadedModel
 from jaxkv.models.step import forward
 
-FINISH_REASONS = ("running", "eos", "length", "cache_full")
+FINISH_REASONS = ("running", "eos", "length", "cache_full", "stop")
 STREAM_S = 0.1
 """Seconds of decoding per block while text streams (``decode(..., stream_s=STREAM_S)``): about
 ten pieces of text a second, each block still one call of the compiled loop."""
-_RUNNING, _EOS, _LENGTH, _CACHE_FULL = range(4)
+_RUNNING, _EOS, _LENGTH, _CACHE_FULL, _STOP = range(5)
 
 
 # ---- the cache a model needs ---------------------------------------------------------------------
@@ -391,9 +392,11 @@ class LoopState:
     """What the decode loop carries between steps and blocks (a pytree).
 
     Attributes:
-      logits: float32[B, V], the logits of the next token to sample.
+      logits: float32[B, V], the logits of each row's next token (a finished row keeps those its
+        last token was sampled from).
       done: bool[B]. reason: int32[B], index into :data:`FINISH_REASONS`.
-      generated: int32[B], tokens sampled so far. step: int32[], global sampling step (PRNG stream position).
+      generated: int32[B], tokens sampled so far. step: int32[B], each row's sampling step
+        (its PRNG stream position; a finished row's stops counting).
       limit: int32[], steps the next block takes at most (its static ``block`` caps it): a
         traced count, so that streaming blocks of any size share one compiled loop.
     """
@@ -407,72 +410,101 @@ class LoopState:
 
     @classmethod
     def start(cls, logits, step: int = 0) -> LoopState:
-        """The state before the first sampled token, from ``logits: float32[B, V]`` (no limit below ``block``)."""
+        """The state before the first sampled token, from ``logits: float32[B, V]`` (every row at
+        sampling step ``step``; no limit below ``block``)."""
         batch = logits.shape[0]
         return cls(
             logits=logits,
             done=placed(np.zeros((batch,), bool)),
             reason=placed(np.zeros((batch,), np.int32)),
             generated=placed(np.zeros((batch,), np.int32)),
-            step=placed(np.int32(step)),
+            step=placed(np.full((batch,), step, np.int32)),
         )
 
 
-@functools.partial(
-    jax.jit, static_argnums=(0,), static_argnames=("sampler", "block", "eos_id"), donate_argnames=("cache",)
-)
-def decode_block(graphdef, state, cache, loop, max_new, rng, *, sampler, block, eos_id):
-    """Sample up to ``block`` tokens per row in one ``lax.while_loop``; returns (cache, loop, tokens int32[B, block]).
+def decode_steps(graphdef, state, cache, loop, max_new, sampling, rng, *, block, eos_id, host=None, host_args=()):
+    """The decode loop: up to ``block`` steps (fewer: ``loop.limit``) in one ``lax.while_loop``,
+    every row that is not done sampling its next token under its own rule and appending it.
+    Traceable: :func:`decode_block` jits it, the serving engine's decode call runs it over the
+    rows it gathers.
 
-    ``max_new: int32[B]`` token budgets; ``rng``: a PRNG key or one per row ``[B, 2]``; the
-    cache is donated. Use :func:`lower_decode` / :func:`compile_decode` rather than calling it.
+    Each step, a row that is not done samples (:func:`~jaxkv.decode.sampler.sample_rows`, its key
+    from :func:`~jaxkv.decode.sampler.step_keys`) and ends with reason ``length`` when it has
+    sampled ``max_new`` tokens, ``eos`` on ``eos_id``, ``cache_full`` when a full cache cannot
+    take the token, ``stop`` when ``host`` says so; a row that goes on appends its token (the
+    model step runs under a ``lax.cond``, skipped once no row appends). A finished row's last
+    token is not appended: its logits stay those it was sampled from.
+
+    Args:
+      graphdef, state: the model (``nnx.split``). cache: B rows. loop: the :class:`LoopState`.
+      max_new: int32[B] token budgets. sampling: the rows' rules
+        (:class:`~jaxkv.decode.sampler.SamplingRows`). rng: a PRNG key shared by the rows or
+        one per row ``[B, 2]``. block: static steps at most. eos_id: static stop token or None.
+      host: None, or a host function called every step with ``*host_args`` and the step's
+        tokens ``int32[B]`` (-1: a row that is done) through ``jax.experimental.io_callback``;
+        it returns ``(stop bool[B]: rows that end now, go bool[]: whether to take another step)``.
+    Returns:
+      ``(cache, loop, tokens int32[B, block])`` (-1 = no token).
     """
     batch = loop.done.shape[0]
     limit = cache.spec.token_limit
+    signature = (jax.ShapeDtypeStruct((batch,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_))
 
     def cond(carry):
-        i, _, loop, _ = carry
-        return (i < jnp.minimum(loop.limit, block)) & ~jnp.all(loop.done)
+        i, go, _, loop, _ = carry
+        return (i < jnp.minimum(loop.limit, block)) & go & ~jnp.all(loop.done)
 
     def body(carry):
-        i, cache, loop, out = carry
-        fold = jax.random.fold_in if rng.ndim == 1 else jax.vmap(jax.random.fold_in, in_axes=(0, None))
-        token = sampler.get_next_tokens(loop.logits, fold(rng, loop.step))
+        i, go, cache, loop, out = carry
         active = ~loop.done
-        out = lax.dynamic_update_slice(out, jnp.where(active, token, -1)[:, None], (jnp.int32(0), i))
+        token = jnp.where(active, sample_rows(loop.logits, sampling, step_keys(rng, loop.step)), -1)
+        out = lax.dynamic_update_slice(out, token[:, None], (jnp.int32(0), i))
         generated = loop.generated + active
         reason = jnp.where(active & (generated >= max_new), _LENGTH, loop.reason)
         if eos_id is not None:
             reason = jnp.where(active & (token == eos_id), _EOS, reason)
         if limit is not None:  # a full cache: the token cannot be fed back
             reason = jnp.where(active & (reason == _RUNNING) & (cache.length >= limit), _CACHE_FULL, reason)
-        done = reason != _RUNNING
-        feed = (~done).astype(jnp.int32)
+        if host is not None:
+            stop, go = io_callback(host, signature, *host_args, token)
+            reason = jnp.where(active & stop & (reason == _RUNNING), _STOP, reason)
+        done = loop.done | (reason != _RUNNING)
+        feed = ~done
 
         def run(cache):
-            logits, cache = forward(graphdef, state, token[:, None], feed, cache)
-            return logits[:, 0], cache
+            logits, cache = forward(graphdef, state, jnp.maximum(token, 0)[:, None], feed.astype(jnp.int32), cache)
+            return jnp.where(feed[:, None], logits[:, 0], loop.logits), cache
 
-        logits, cache = lax.cond(jnp.any(~done), run, lambda c: (loop.logits, c), cache)
+        logits, cache = lax.cond(jnp.any(feed), run, lambda c: (loop.logits, c), cache)
         loop = LoopState(
-            logits=logits, done=done, reason=reason, generated=generated, step=loop.step + 1, limit=loop.limit
+            logits=logits, done=done, reason=reason, generated=generated, step=loop.step + active, limit=loop.limit
         )
-        return i + 1, cache, loop, out
+        return i + 1, go, cache, loop, out
 
     out = jnp.full((batch, block), -1, jnp.int32)
-    _, cache, loop, out = lax.while_loop(cond, body, (jnp.int32(0), cache, loop, out))
+    _, _, cache, loop, out = lax.while_loop(cond, body, (jnp.int32(0), jnp.bool_(True), cache, loop, out))
     return cache, loop, out
 
 
-def _decode_args(model, cache: KVCache, logits, max_new_tokens, seed, step):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("block", "eos_id"), donate_argnames=("cache",))
+def decode_block(graphdef, state, cache, loop, max_new, sampling, rng, *, block, eos_id):
+    """:func:`decode_steps` compiled, the cache donated: returns ``(cache, loop, tokens
+    int32[B, block])``. Use :func:`lower_decode` / :func:`compile_decode` rather than calling it."""
+    return decode_steps(graphdef, state, cache, loop, max_new, sampling, rng, block=block, eos_id=eos_id)
+
+
+def _decode_args(model, cache: KVCache, logits, sampler, max_new_tokens, seed, step):
     """The traced arguments of :func:`decode_block` after the graphdef."""
     graphdef, state = nnx.split(model.model if isinstance(model, LoadedModel) else model)
+    vocab = model.config.vocab_size
     if logits is None:
-        logits = placed(np.zeros((cache.batch, model.config.vocab_size), np.float32))
+        logits = placed(np.zeros((cache.batch, vocab), np.float32))
     if isinstance(max_new_tokens, int):
         max_new_tokens = [max_new_tokens] * cache.batch
+    sampling = placed(SamplingRows.of(sampler, cache.batch, vocab))
     loop = LoopState.start(logits, step)
-    return graphdef, (state, cache, loop, placed(np.asarray(max_new_tokens, np.int32)), prng_keys(seed, cache.batch))
+    max_new = placed(np.asarray(max_new_tokens, np.int32))
+    return graphdef, (state, cache, loop, max_new, sampling, prng_keys(seed, cache.batch))
 
 
 def lower_decode(
@@ -480,7 +512,7 @@ def lower_decode(
     cache: KVCache,
     logits=None,
     *,
-    sampler: Sampler = Sampler(),
+    sampler: Sampler | Sequence[Sampler] = Sampler(),
     block: int = 32,
     eos_id: int | None = None,
     max_new_tokens: int | Sequence[int] = 1,
@@ -496,10 +528,11 @@ def lower_decode(
     Args:
       model: a :class:`LoadedModel` or a Flax NNX model with a ``config`` (the tiny test models).
       cache: a cache of B rows (its values do not matter). logits: float32[B, V] (None = zeros).
-      sampler, block, eos_id: the loop's static settings; max_new_tokens, seed, step: as in :func:`decode`.
+      block, eos_id: the loop's static settings; sampler, max_new_tokens, seed, step: as in
+        :func:`decode` (traced: every sampler shares one program).
     """
-    graphdef, args = _decode_args(model, cache, logits, max_new_tokens, seed, step)
-    return decode_block.lower(graphdef, *args, sampler=sampler, block=block, eos_id=eos_id)
+    graphdef, args = _decode_args(model, cache, logits, sampler, max_new_tokens, seed, step)
+    return decode_block.lower(graphdef, *args, block=block, eos_id=eos_id)
 
 
 def compile_decode(
@@ -507,7 +540,7 @@ def compile_decode(
     cache: KVCache,
     logits=None,
     *,
-    sampler: Sampler = Sampler(),
+    sampler: Sampler | Sequence[Sampler] = Sampler(),
     block: int = 32,
     eos_id: int | None = None,
     max_new_tokens: int | Sequence[int] = 1,
@@ -515,15 +548,15 @@ def compile_decode(
     step: int = 0,
 ):
     """``(compiled, seconds)``: the decode loop compiled for these arguments' shapes, dtypes and
-    shardings and the static ``sampler``, ``block`` and ``eos_id`` (see :func:`lower_decode`).
+    shardings and the static ``block`` and ``eos_id`` (see :func:`lower_decode`).
 
     The executable is kept (the last few signatures): a second call with the same signature
     neither traces, lowers nor compiles (:func:`compile_counts` shows it), so ``seconds`` is
     then near 0 and a warm :func:`decode` starts its first block at once.
-    ``compiled(state, cache, loop, max_new, rng)`` runs one block.
+    ``compiled(state, cache, loop, max_new, sampling, rng)`` runs one block.
     """
-    graphdef, args = _decode_args(model, cache, logits, max_new_tokens, seed, step)
-    return _compile(model, graphdef, args, sampler, block, eos_id)
+    graphdef, args = _decode_args(model, cache, logits, sampler, max_new_tokens, seed, step)
+    return _compile(model, graphdef, args, block, eos_id)
 
 
 _EXECUTABLES: dict = {}
@@ -536,13 +569,13 @@ SmolLM2 first token); a stored executable is found by its signature alone. Execu
 pickles: keep the folder as private as JAX's cache."""
 
 
-def _compile(model, graphdef, args, sampler, block, eos_id):
+def _compile(model, graphdef, args, block, eos_id):
     """The compiled decode loop and the seconds it took; kept per signature (``lower`` alone
     re-traces the whole model, ~0.3 s for SmolLM2, on every call)."""
     return _kept(
         "decode",
-        _signature(args, graphdef, sampler, block, eos_id),
-        lambda: decode_block.lower(graphdef, *args, sampler=sampler, block=block, eos_id=eos_id),
+        _signature(args, graphdef, block, eos_id),
+        lambda: decode_block.lower(graphdef, *args, block=block, eos_id=eos_id),
         _storable(model),
     )
 
@@ -690,7 +723,7 @@ def decode(
     logits,
     *,
     max_new_tokens: Sequence[int],
-    sampler: Sampler = Sampler(),
+    sampler: Sampler | Sequence[Sampler] = Sampler(),
     seed: int | Sequence[int] = 0,
     step: int = 0,
     block: int = 32,
@@ -704,7 +737,9 @@ def decode(
       model: a :class:`LoadedModel`. cache: the prefilled :class:`KVCache` (B rows; consumed).
       logits: float32[B, V], the logits after each row's last appended token (from :func:`prefill`).
       max_new_tokens: B token budgets (>= 1).
-      sampler, seed: the next-token rule and PRNG seed (or B seeds, one per row); ``step`` is the position in the PRNG
+      sampler: the next-token rule, or B rules (one per row; traced, so any mix shares one
+        compiled loop). seed: PRNG seed (the rows draw from its split), or B seeds (one per row:
+        a row draws what it would draw alone with its seed); ``step`` is the position in the PRNG
         stream (continue a conversation with the previous call's ``step + tokens sampled``).
       block: decode steps per compiled call. eos_id: stop token (None = never stop on a token).
       on_block: called with each block's tokens, int32[B, block] (-1 = no token). A true
@@ -719,9 +754,9 @@ def decode(
       a :class:`BatchGeneration` (``prefill_s`` 0). The last sampled token of each row is
       *not* in the cache: feed it first when continuing.
     """
-    graphdef, args = _decode_args(model, cache, logits, max_new_tokens, seed, step)
-    compiled, compile_s = _compile(model, graphdef, args, sampler, block, eos_id)
-    state, cache, loop, max_new, rng = args
+    graphdef, args = _decode_args(model, cache, logits, sampler, max_new_tokens, seed, step)
+    compiled, compile_s = _compile(model, graphdef, args, block, eos_id)
+    state, cache, loop, max_new, sampling, rng = args
     ids: list[list[int]] = [[] for _ in range(cache.batch)]
     decode_s, stopped, steps = 0.0, None, 0
     while True:
@@ -729,7 +764,7 @@ def decode(
             limit = 1 if steps == 0 else min(block, max(1, int(stream_s * steps / max(decode_s, 1e-9))))
             loop = dataclasses.replace(loop, limit=placed(np.int32(limit)))
         t1 = time.perf_counter()
-        cache, loop, out = compiled(state, cache, loop, max_new, rng)
+        cache, loop, out = compiled(state, cache, loop, max_new, sampling, rng)
         out = to_host(out)
         decode_s += time.perf_counter() - t1
         steps += int(np.max(np.sum(out >= 0, axis=1)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,22 +42,41 @@ class Sampler:
             raise JaxkvError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
 
     def get_next_tokens(self, logits, rng):
-        """int32[B] next tokens from float32 logits ``[B, V]`` and a PRNG key (or one key per row, ``[B, 2]``)."""
-        if self.temperature == 0:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logits = logits.astype(jnp.float32) / self.temperature
-        if self.top_k is not None and self.top_k < logits.shape[-1]:
-            kth = lax.top_k(logits, self.top_k)[0][:, -1:]
-            logits = jnp.where(logits < kth, -jnp.inf, logits)
-        if self.top_p is not None and self.top_p < 1:
-            sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-            probs = jax.nn.softmax(sorted_logits, axis=-1)
-            before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-            kept = jnp.where(before < self.top_p, sorted_logits, jnp.inf)
-            threshold = jnp.min(kept, axis=-1, keepdims=True)
-            logits = jnp.where(logits < threshold, -jnp.inf, logits)
+        """int32[B] next tokens from float32 logits ``[B, V]`` and a PRNG key (the rows draw from
+        its ``split`` into B keys) or one key per row ``[B, 2]`` (used as it is):
+        :func:`sample_rows` with this rule on every row."""
         keys = rng if rng.ndim == 2 else jax.random.split(rng, logits.shape[0])
-        return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+        return sample_rows(logits, SamplingRows.of(self, logits.shape[0], logits.shape[-1]), keys)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingRows:
+    """Each row's next-token rule as arrays (a pytree), so that rows of any settings share one
+    compiled decode loop (:func:`jaxkv.decode.loop.decode_block`, the serving engine's calls).
+
+    Attributes:
+      temperature: float32[B], 0 = greedy. top_k: int32[B] in [1, V] (V = every token).
+      top_p: float32[B] in (0, 1] (1 = every token).
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+    @classmethod
+    def of(cls, sampler: Sampler | Sequence[Sampler], batch: int, vocab: int) -> SamplingRows:
+        """The arrays of one :class:`Sampler` for every row, or of B samplers (one per row), for a
+        vocabulary of ``vocab`` tokens. Raises: JaxkvError: a list whose length is not ``batch``,
+        or an entry that is not a :class:`Sampler`."""
+        samplers = [sampler] * batch if isinstance(sampler, Sampler) else list(sampler)
+        if len(samplers) != batch or not all(isinstance(s, Sampler) for s in samplers):
+            raise JaxkvError(f"sampler: expected a jaxkv.Sampler or {batch} of them (one per row), got {sampler!r}")
+        return cls(
+            temperature=np.array([s.temperature for s in samplers], np.float32),
+            top_k=np.array([min(s.top_k or vocab, vocab) for s in samplers], np.int32),
+            top_p=np.array([1.0 if s.top_p is None else s.top_p for s in samplers], np.float32),
+        )
 
 
 def prng_keys(seed, batch: int):
@@ -75,24 +95,31 @@ def prng_keys(seed, batch: int):
     return jnp.stack([jax.random.PRNGKey(check_int(f"seed[{i}]", s, 0, SEED_LIMIT)) for i, s in enumerate(seeds)])
 
 
-def sample_rows(logits, temperature, top_k, top_p, keys, steps):
-    """Per-row sampling with traced parameters: what :meth:`Sampler.get_next_tokens` draws for
-    each row on its own, the row's settings arrays instead of static fields, so that rows of
-    any settings share one compiled program (the serving engine's decode step).
+def step_keys(rng, steps):
+    """uint32[B, 2]: the key each row samples its next token with at sampling steps ``steps:
+    int32[B]``. ``rng``: one PRNG key ``[2]`` shared by the rows (they sample in step, each
+    ``split(fold_in(rng, step), B)[b]``: what :meth:`Sampler.get_next_tokens` draws for a batch)
+    or one key per row ``[B, 2]`` (``split(fold_in(rng[b], steps[b]), 1)[0]``: what a one-row
+    batch seeded alike draws, so a row's tokens depend on its own seed and step alone)."""
+    if rng.ndim == 1:  # the rows still sampling share one step (finished rows stop counting)
+        return jax.random.split(jax.random.fold_in(rng, jnp.max(steps)), steps.shape[0])
+    return jax.vmap(lambda k, s: jax.random.split(jax.random.fold_in(k, s), 1)[0])(rng, steps)
 
-    Row ``b`` draws exactly what ``Sampler(temperature=temperature[b], top_k=..., top_p=...)``
-    draws for a one-row batch seeded ``PRNGKey(seed)`` at sampling step ``steps[b]`` (its
-    :func:`jaxkv.sample` run with that seed): the key ``split(fold_in(keys[b], steps[b]), 1)[0]``.
+
+def sample_rows(logits, rows: SamplingRows, keys):
+    """Each row's next token under its own rule: temperature with optional top-k / top-p, or
+    greedy argmax at temperature 0, with traced settings so that rows of any settings share one
+    compiled program.
 
     Args:
-      logits: float32[B, V]. temperature: float32[B], 0 = greedy. top_k: int32[B] in [1, V]
-        (V = all tokens). top_p: float32[B] in (0, 1] (1 = all). keys: uint32[B, 2], one
-        ``PRNGKey(seed)`` per row. steps: int32[B], each row's sampling step.
+      logits: float32[B, V]. rows: the rules (:class:`SamplingRows`). keys: uint32[B, 2], each
+        row's key for this token (:func:`step_keys`).
     Returns:
       int32[B] next tokens. The draws (V random numbers a row: 16 ms for 16 rows of SmolLM2's
-      49,152 on a 2-core CPU) run only when some row samples, the sort that top-k / top-p
+      49,152 on a 2-core CPU) run only when some row samples, the sorts that top-k / top-p
       need only when some row uses them.
     """
+    temperature, top_k, top_p = rows.temperature, rows.top_k, rows.top_p
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
@@ -102,7 +129,7 @@ def sample_rows(logits, temperature, top_k, top_p, keys, steps):
         ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
         kth = jnp.take_along_axis(ordered, jnp.clip(top_k, 1, vocab)[:, None] - 1, axis=-1)
         scaled = jnp.where((top_k < vocab)[:, None] & (scaled < kth), -jnp.inf, scaled)
-        ordered = jnp.sort(scaled, axis=-1)[:, ::-1]  # the top-k survivors, as Sampler sorts them
+        ordered = jnp.sort(scaled, axis=-1)[:, ::-1]  # the top-k survivors
         probs = jax.nn.softmax(ordered, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
         threshold = jnp.min(jnp.where(before < top_p[:, None], ordered, jnp.inf), axis=-1, keepdims=True)
@@ -111,7 +138,6 @@ def sample_rows(logits, temperature, top_k, top_p, keys, steps):
     def drawn(scaled):
         needs_sort = jnp.any((temperature > 0) & ((top_k < vocab) | (top_p < 1)))
         scaled = lax.cond(needs_sort, truncated, lambda x: x, scaled)
-        row_keys = jax.vmap(lambda k, s: jax.random.split(jax.random.fold_in(k, s), 1)[0])(keys, steps)
-        return jnp.where(temperature > 0, jax.vmap(jax.random.categorical)(row_keys, scaled).astype(jnp.int32), greedy)
+        return jnp.where(temperature > 0, jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32), greedy)
 
     return lax.cond(jnp.any(temperature > 0), drawn, lambda _: greedy, scaled)

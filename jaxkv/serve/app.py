@@ -140,8 +140,17 @@ METRICS = (
         "jaxkv_prefill_tokens", "counter", "prompt tokens prefilled (not from the prefix cache)", "prefill_tokens_total"
     ),
     Metric("jaxkv_prefill_seconds", "counter", "seconds spent prefilling", "prefill_seconds_total"),
+    Metric("jaxkv_prefill_calls", "counter", "compiled prefill calls run", "prefill_calls_total"),
+    Metric("jaxkv_prefill_rows", "counter", "rows the prefill calls ran, padding rows included", "prefill_rows_total"),
     Metric("jaxkv_decode_steps", "counter", "batched decode steps run", "decode_steps_total"),
     Metric("jaxkv_decode_seconds", "counter", "seconds spent in batched decode steps", "decode_seconds_total"),
+    Metric("jaxkv_decode_calls", "counter", "compiled decode calls run", "decode_calls_total"),
+    Metric(
+        "jaxkv_decode_rows",
+        "counter",
+        "rows the decode steps ran, padding rows of a row bucket included (busy rows: completion tokens)",
+        "decode_rows_total",
+    ),
 )
 """Every metric of ``/metrics`` (docs/SERVING.md lists them): the one table of their names."""
 

@@ -14,7 +14,8 @@ bounded cache, and a scheduler thread that repeats one :meth:`Engine.step`:
    state is stored in the prefix store where it ends (and where it leaves a shared prefix);
 3. *decode*: one compiled call of up to ``block`` steps over the decoding rows only, compacted
    into the smallest of a few row buckets (powers of two up to ``slots``, all compiled at
-   :meth:`Engine.warm_up`): each row samples its next token from its own logits with its own
+   :meth:`Engine.warm_up`), running the decode loop :func:`jaxkv.sample` runs
+   (:func:`jaxkv.decode.loop.decode_steps`): each row samples its next token from its own logits with its own
    settings (temperature, top-k, top-p, PRNG key: arrays, not static arguments, so no request
    compiles anything), and every step hands its tokens to the host inside the call
    (``io_callback``): they reach their streams as they are sampled (``stream_interval`` tokens
@@ -58,14 +59,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import io_callback
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.cache.rows import batch_axes, put_rows, take_rows
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.decode import loop, parallel
 from jaxkv.decode.prompt import check_token_ids, stop_strings
-from jaxkv.decode.sampler import SEED_LIMIT, sample_rows
+from jaxkv.decode.sampler import SEED_LIMIT, SamplingRows
 from jaxkv.decode.text import TextStream
 from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int
 from jaxkv.io import LoadedModel
@@ -669,6 +669,9 @@ class Engine:
         """Run the decode call over slots ``index`` (``active`` rows sample and append; the
         others append nothing), and wait for it."""
         self._call_rows = index
+        sampling = SamplingRows(
+            temperature=self._temperature[index], top_k=self._top_k[index], top_p=self._top_p[index]
+        )
         try:
             self._cache, self._logits = _decode_rows(
                 self._graphdef,
@@ -677,16 +680,7 @@ class Engine:
                 self._logits,
                 *(
                     self._placed(x)
-                    for x in (
-                        np.int32(self._id),
-                        index,
-                        active,
-                        self._temperature[index],
-                        self._top_k[index],
-                        self._top_p[index],
-                        self._keys[index],
-                        self._steps[index],
-                    )
+                    for x in (np.int32(self._id), index, active, sampling, self._keys[index], self._steps[index])
                 ),
                 block=self.block,
                 axes=self._axes,
@@ -735,8 +729,8 @@ class Engine:
         """End a row that finished in the last decode call: store its state, free its slot,
         send its last event."""
         request = row.request
-        if row.reason != "cancelled":  # the state after the prompt and every token the row appended
-            self.prefix.put(request.prompt_ids + request.token_ids + row.new, *self._extract(slot))
+        if row.reason != "cancelled":  # the state after the prompt and every token but the last (not appended)
+            self.prefix.put((request.prompt_ids + request.token_ids + row.new)[:-1], *self._extract(slot))
         row.stream.flush()  # (nothing after a stop string)
         self._rows[slot] = None
         request._emit(row.new, "".join(row.pending), row.reason)
@@ -829,42 +823,39 @@ def _prefill_rows(graphdef, state, cache, logits, index, tokens, n, *, axes):
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("block", "axes"), donate_argnames=("cache", "logits"))
-def _decode_rows(
-    graphdef, state, cache, logits, ident, index, active, temperature, top_k, top_p, keys, step, *, block, axes
-):
-    """Up to ``block`` decode steps over the rows ``index: int32[R]`` of the batched cache (the
-    call's rows gathered once, written back once), in one ``lax.while_loop``: each ``active:
-    bool[R]`` row samples its next token from its logits with its own settings
-    (:func:`~jaxkv.decode.sampler.sample_rows`: ``temperature, top_p: float32[R]``, ``top_k:
-    int32[R]``, ``keys: uint32[R, 2]``, sampling step ``step: int32[R]``), the host takes every
-    step's tokens (``jax.experimental.io_callback`` into :func:`_deliver`, engine ``ident``) and
-    says which rows end and whether to go on; each active row appends its token (the last one
-    included), the model step under a ``lax.cond`` as in :func:`jaxkv.decode.loop.decode_block`
-    (skipped once no row is active). Inactive rows append nothing and keep their logits.
+def _decode_rows(graphdef, state, cache, logits, ident, index, active, sampling, keys, steps, *, block, axes):
+    """The decode loop (:func:`jaxkv.decode.loop.decode_steps`, up to ``block`` steps) over the
+    rows ``index: int32[R]`` of the batched cache, gathered once and written back once: each
+    ``active: bool[R]`` row samples under its own rule (``sampling``, its own key ``keys:
+    uint32[R, 2]`` at its sampling step ``steps: int32[R]``), the host takes every step's tokens
+    and says which rows end and whether to go on (:func:`_deliver`, engine ``ident``). Inactive
+    rows append nothing and keep their logits; a row that ends does not append its last token.
     Returns ``(cache, logits)``."""
-    rows = index.shape[0]
-    signature = (jax.ShapeDtypeStruct((rows,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_))
-
-    def cond(carry):
-        i, go, _, _, active, _ = carry
-        return (i < block) & go & jnp.any(active)
-
-    def body(carry):
-        i, _, part, part_logits, active, step = carry
-        token = jnp.where(active, sample_rows(part_logits, temperature, top_k, top_p, keys, step), -1)
-        stop, go = io_callback(_deliver, signature, ident, token)
-
-        def run(part):
-            new, part = forward(graphdef, state, jnp.maximum(token, 0)[:, None], active.astype(jnp.int32), part)
-            return jnp.where(active[:, None], new[:, 0], part_logits), part
-
-        part_logits, part = jax.lax.cond(jnp.any(active), run, lambda p: (part_logits, p), part)
-        return i + 1, go, part, part_logits, active & ~stop, step + active
-
     part, part_logits = _take(cache, index, axes), _take(logits, index, (0,))
-    carry = (jnp.int32(0), jnp.bool_(True), part, part_logits, active, step)
-    _, _, part, part_logits, *_ = jax.lax.while_loop(cond, body, carry)
-    return _put(cache, index, part, axes), _put(logits, index, part_logits, (0,))
+    rows = index.shape[0]
+    start = loop.LoopState(
+        logits=part_logits,
+        done=~active,
+        reason=jnp.zeros((rows,), jnp.int32),
+        generated=jnp.zeros((rows,), jnp.int32),
+        step=steps,
+        limit=jnp.int32(block),
+    )
+    budget = jnp.full((rows,), INT32_LIMIT - 1, jnp.int32)  # the host ends rows (max_tokens, EOS, stop strings)
+    part, end, _ = loop.decode_steps(
+        graphdef,
+        state,
+        part,
+        start,
+        budget,
+        sampling,
+        keys,
+        block=block,
+        eos_id=None,
+        host=_deliver,
+        host_args=(ident,),
+    )
+    return _put(cache, index, part, axes), _put(logits, index, end.logits, (0,))
 
 
 def _take(tree, index, axes):
