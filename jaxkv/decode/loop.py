@@ -438,8 +438,8 @@ def decode_steps(graphdef, state, cache, loop, max_new, sampling, rng, *, block,
     Args:
       graphdef, state: the model (``nnx.split``). cache: B rows. loop: the :class:`LoopState`.
       max_new: int32[B] token budgets. sampling: the rows' rules
-        (:class:`~jaxkv.decode.sampler.SamplingRows`). rng: a PRNG key shared by the rows or
-        one per row ``[B, 2]``. block: static steps at most. eos_id: static stop token or None.
+        (:class:`~jaxkv.decode.sampler.SamplingRows`), or None when every row is greedy (the
+        loop then holds an argmax alone, no sampling code to compile). rng: a PRNG key shared by the rows or one per row ``[B, 2]``. block: static steps at most. eos_id: static stop token or None.
       host: None, or a host function called every step with ``*host_args`` and the step's
         tokens ``int32[B]`` (-1: a row that is done) through ``jax.experimental.io_callback``;
         it returns ``(stop bool[B]: rows that end now, go bool[]: whether to take another step)``.
@@ -457,7 +457,11 @@ def decode_steps(graphdef, state, cache, loop, max_new, sampling, rng, *, block,
     def body(carry):
         i, go, cache, loop, out = carry
         active = ~loop.done
-        token = jnp.where(active, sample_rows(loop.logits, sampling, step_keys(rng, loop.step)), -1)
+        if sampling is None:  # every row greedy: the loop compiles no sampling code
+            token = jnp.argmax(loop.logits, axis=-1).astype(jnp.int32)
+        else:
+            token = sample_rows(loop.logits, sampling, step_keys(rng, loop.step))
+        token = jnp.where(active, token, -1)
         out = lax.dynamic_update_slice(out, token[:, None], (jnp.int32(0), i))
         generated = loop.generated + active
         reason = jnp.where(active & (generated >= max_new), _LENGTH, loop.reason)
@@ -501,7 +505,8 @@ def _decode_args(model, cache: KVCache, logits, sampler, max_new_tokens, seed, s
         logits = placed(np.zeros((cache.batch, vocab), np.float32))
     if isinstance(max_new_tokens, int):
         max_new_tokens = [max_new_tokens] * cache.batch
-    sampling = placed(SamplingRows.of(sampler, cache.batch, vocab))
+    sampling = SamplingRows.of(sampler, cache.batch, vocab)
+    sampling = None if not np.any(sampling.temperature > 0) else placed(sampling)
     loop = LoopState.start(logits, step)
     max_new = placed(np.asarray(max_new_tokens, np.int32))
     return graphdef, (state, cache, loop, max_new, sampling, prng_keys(seed, cache.batch))
@@ -738,7 +743,7 @@ def decode(
       logits: float32[B, V], the logits after each row's last appended token (from :func:`prefill`).
       max_new_tokens: B token budgets (>= 1).
       sampler: the next-token rule, or B rules (one per row; traced, so any mix shares one
-        compiled loop). seed: PRNG seed (the rows draw from its split), or B seeds (one per row:
+        compiled loop; rows all greedy run a loop without sampling code). seed: PRNG seed (the rows draw from its split), or B seeds (one per row:
         a row draws what it would draw alone with its seed); ``step`` is the position in the PRNG
         stream (continue a conversation with the previous call's ``step + tokens sampled``).
       block: decode steps per compiled call. eos_id: stop token (None = never stop on a token).
