@@ -439,7 +439,9 @@ def decode_steps(graphdef, state, cache, loop, max_new, sampling, rng, *, block,
       graphdef, state: the model (``nnx.split``). cache: B rows. loop: the :class:`LoopState`.
       max_new: int32[B] token budgets. sampling: the rows' rules
         (:class:`~jaxkv.decode.sampler.SamplingRows`), or None when every row is greedy (the
-        loop then holds an argmax alone, no sampling code to compile). rng: a PRNG key shared by the rows or one per row ``[B, 2]``. block: static steps at most. eos_id: static stop token or None.
+        loop then holds an argmax alone, no sampling code to compile). rng: a PRNG key shared
+        by the rows or one per row ``[B, 2]``. block: static steps at most. eos_id: static stop
+        token or None.
       host: None, or a host function called every step with ``*host_args`` and the step's
         tokens ``int32[B]`` (-1: a row that is done) through ``jax.experimental.io_callback``;
         it returns ``(stop bool[B]: rows that end now, go bool[]: whether to take another step)``.
