@@ -27,7 +27,8 @@ def add_model_flags(parser: argparse.ArgumentParser, *, model_help: str = MODEL_
         default="fp32",
         metavar="FORMAT",
         help=f"hold the weights as {'|'.join(WEIGHT_FORMATS)} (int8/q4: blocks of 32 like GGUF Q8_0/Q4_1, "
-        "dequantised inside the step; activations stay float32) (default: %(default)s)",
+        "dequantised inside the step; q8_0/q4_0/q4_1: ggml's own blocks, multiplied by ggml on the CPU; "
+        "activations stay float32) (default: %(default)s)",
     )
 
 
@@ -36,7 +37,7 @@ def check_model_flags(args) -> None:
     subcommand has the flag), naming the flag.
 
     Raises:
-      JaxkvError: e.g. ``--weights q3: expected one of fp32, bf16, fp16, int8, q4``.
+      JaxkvError: e.g. ``--weights q3: expected one of fp32, bf16, fp16, int8, q4, q8_0, q4_0, q4_1``.
     """
     weights = getattr(args, "weights", None)
     if weights is not None and weights not in WEIGHT_FORMATS:

@@ -73,6 +73,7 @@ from jaxkv.models.weights import (
     FLOAT_FORMATS,
     HEAD_FORMATS,
     HELD_FORMS,
+    BlockWeight,
     as_held,
     check_weight_format,
     convert,
@@ -546,7 +547,8 @@ class Llama(nnx.Module):
             return x + rms_norm(y, w[post_norm], c.norm_eps), aux
 
         def layer(step, rope, x, xs):
-            w, kv = xs
+            w, kv, index = xs
+            w = {**w, **{name: stack.at(index) for name, stack in in_place.items()}}
 
             def attention(h):
                 bias = (w["bq"], w["bk"], w["bv"]) if c.attention_bias else None
@@ -579,6 +581,9 @@ class Llama(nnx.Module):
             return x, stored
 
         weights = {name: getattr(self, name)[...] for name in layer_weight_names(c)}
+        # ggml's blocks are read in place by their product (a layer index, not a slice per layer)
+        in_place = {name: w for name, w in weights.items() if isinstance(w, BlockWeight)}
+        weights = {name: w for name, w in weights.items() if name not in in_place}
         kinds = c.layer_kinds
         k_new, v_new, masses = [], [], []
         for first, end, run_step, run_layers in cache.runs(step):  # one run unless per-layer specs
@@ -592,7 +597,8 @@ class Llama(nnx.Module):
                 )
             run_weights = weights if (first, end) == (0, c.n_layers) else jax.tree.map(lambda a: a[first:end], weights)  # noqa: B023
             body = functools.partial(layer, run_step, c.rope_for(kinds[first]))
-            x, (k_run, v_run, *mass) = lax.scan(body, x, (run_weights, run_layers))
+            index = jnp.arange(first, end, dtype=jnp.int32)
+            x, (k_run, v_run, *mass) = lax.scan(body, x, (run_weights, run_layers, index))
             k_new.append(k_run)
             v_new.append(v_run)
             masses.append(mass[0] if mass else None)

@@ -21,7 +21,14 @@ held in one of :data:`WEIGHT_FORMATS`; norms and biases always stay float32.
   way, XLA CPU's fused product indexed every nibble through the block and ran 4x slower);
   float16 scales and minimums.
 
-Both integer formats are dequantised on the fly inside the step (the compiled program takes
+* ``q8_0`` / ``q4_0`` / ``q4_1``: ggml's own block types, the bytes a GGUF file holds
+  (:class:`BlockWeight`, quantised by ``gguf.quants.quantize``), multiplied by ggml's CPU
+  product through ``jax.ffi`` (:mod:`jaxkv.models.ggml`: the activations quantised to 8 bits
+  per block of 32, as llama.cpp computes) and dequantised inside the XLA program where that
+  library is unavailable (another platform than the CPU, no compiler). The table and head of a
+  4-bit model are ``q8_0``.
+
+``int8`` and ``q4`` are dequantised on the fly inside the step (the compiled program takes
 the int8 / uint8 codes as parameters; tests/test_weights.py checks its HLO). Scales are
 stored as float16 (as GGUF stores them) and applied in float32.
 
@@ -54,14 +61,18 @@ import numpy as np
 from flax import struct
 
 from jaxkv.errors import JaxkvError
+from jaxkv.models import ggml
 
-WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8", "q4")
+WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8", "q4", "q8_0", "q4_0", "q4_1")
 """The accepted ``weights=`` values (``load_model``, ``--weights``)."""
+BLOCK_FORMATS = {"q8_0": 8, "q4_0": 2, "q4_1": 3}
+"""The formats held in ggml's own block types (:class:`BlockWeight`) -> their ``ggml_type``
+(``gguf.GGMLQuantizationType``) value."""
 FLOAT_FORMATS = {"fp32": np.float32, "bf16": jnp.bfloat16, "fp16": np.float16}
 """The formats held as plain arrays -> their dtype."""
-HEAD_FORMATS = {"q4": "int8"}
+HEAD_FORMATS = {"q4": "int8", "q4_0": "q8_0", "q4_1": "q8_0"}
 """The format of the embedding table and LM head where it differs from the other matrices':
-under ``q4`` they are int8, as in llama.cpp's Q4_1 files (SmolLM2's ``token_embd`` is Q8_0;
+under ``q4`` they are int8 (``q4_0`` / ``q4_1``: ``q8_0``), as in llama.cpp's Q4_1 files (SmolLM2's ``token_embd`` is Q8_0;
 at 4 bits the tied head alone costs +8 % perplexity on SmolLM2)."""
 BLOCK = 32
 """Inputs per block of the integer formats (GGUF's ``QK8_0`` / ``QK4_1``)."""
@@ -154,7 +165,77 @@ class QuantizedWeight(_Held):
         return jnp.swapaxes(self.rows()[..., : self.n_in], -1, -2)
 
 
-HELD_FORMS = (TransposedWeight, QuantizedWeight)
+_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+"""Bytes of one block of 32 inputs in ggml's layout: a float16 scale ``d`` (and for Q4_1 a
+float16 minimum ``m``), then the codes: 32 int8 (Q8_0), or 16 bytes whose low nibbles hold
+inputs 0-15 and high nibbles 16-31 (Q4_0: ``(q - 8) * d``; Q4_1: ``q * d + m``)."""
+
+
+@struct.dataclass
+class BlockWeight(_Held):
+    """A matrix ``W[..., I, O]`` held as ggml's blocks (``q8_0``, ``q4_0``, ``q4_1``: the bytes a
+    GGUF file holds), transposed: one row of blocks per output. A product is ggml's own
+    (:mod:`jaxkv.models.ggml`, an XLA custom call) where it is available, else the blocks are
+    dequantised inside the XLA program.
+
+    Attributes:
+      blocks: ``uint8[..., O, I'/32 * bytes]`` (``I'``: I padded to a multiple of 32 with zero
+        weights; bytes per block in :data:`_BLOCK_BYTES`).
+      layer: None, or an int32 scalar: this weight is ``blocks[layer]`` of a stack of layers
+        held whole (:meth:`at`: a layer scan reads the stack in place instead of copying
+        each layer's slice for the custom call).
+      n_in: I, the logical input width.
+      format: one of :data:`BLOCK_FORMATS`.
+    """
+
+    blocks: jax.Array
+    n_in: int = struct.field(pytree_node=False)
+    format: str = struct.field(pytree_node=False)
+    layer: jax.Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape ``(..., I, O)`` (of the one layer when :attr:`layer` is set)."""
+        lead = self.blocks.shape[:-2] if self.layer is None else self.blocks.shape[1:-2]
+        return (*lead, self.n_in, self.blocks.shape[-2])
+
+    @property
+    def dtype(self):
+        """``uint8``: what the weights are held as."""
+        return self.blocks.dtype
+
+    def at(self, layer: jax.Array) -> BlockWeight:
+        """Layer ``layer`` (an int32 scalar, traced or not) of a stacked weight, read in place."""
+        return self.replace(layer=jnp.asarray(layer, jnp.int32))
+
+    def _own_blocks(self) -> jax.Array:
+        return self.blocks if self.layer is None else self.blocks[self.layer]
+
+    def rows(self) -> jax.Array:
+        """The float32 transpose ``[..., O, I']`` the blocks stand for (XLA's dequantisation)."""
+        return dequantize_blocks(self._own_blocks(), self.format)
+
+    def dequantize(self) -> jax.Array:
+        """The float32 matrix ``[..., I, O]`` the blocks stand for."""
+        return jnp.swapaxes(self.rows()[..., : self.n_in], -1, -2)
+
+
+def dequantize_blocks(blocks: jax.Array, fmt: str) -> jax.Array:
+    """float32 ``[..., O, I']`` of ggml blocks ``uint8[..., O, I'/32 * bytes]`` of format ``fmt``
+    (:data:`_BLOCK_BYTES` has the layouts; jax.numpy, fused into the consumer by XLA)."""
+    size = _BLOCK_BYTES[fmt]
+    b = blocks.reshape(*blocks.shape[:-1], -1, size)
+    half = lambda at: jax.lax.bitcast_convert_type(b[..., at : at + 2], jnp.float16).astype(jnp.float32)[..., None]  # noqa: E731
+    if fmt == "q8_0":
+        values = jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32) * half(0)
+    else:
+        q = b[..., size - 16 :]
+        codes = jnp.concatenate([q & 15, q >> 4], axis=-1).astype(jnp.float32)
+        values = (codes - 8) * half(0) if fmt == "q4_0" else codes * half(0) + half(2)
+    return values.reshape(*blocks.shape[:-1], -1)
+
+
+HELD_FORMS = (TransposedWeight, QuantizedWeight, BlockWeight)
 """The pytree types a model's matrices are held as."""
 
 
@@ -169,25 +250,30 @@ def check_weight_format(value) -> str:
     return value
 
 
-def quantize(w: np.ndarray, fmt: str) -> QuantizedWeight:
+def quantize(w: np.ndarray, fmt: str) -> QuantizedWeight | BlockWeight:
     """Quantise a float matrix ``w[..., I, O]`` (``x @ W`` orientation) per block of 32 inputs.
 
     Args:
       w: float numpy array, at least 2-D; the blocks run along axis -2 (the inputs).
-      fmt: ``"int8"`` (Q8_0-like) or ``"q4"`` (Q4_1-like); formulas in the module docstring.
+      fmt: ``"int8"`` (Q8_0-like) or ``"q4"`` (Q4_1-like), formulas in the module docstring;
+        or one of :data:`BLOCK_FORMATS`, quantised by ``gguf.quants.quantize`` (llama.cpp's
+        reference quantisation, bit for bit).
     Returns:
-      the :class:`QuantizedWeight` (numpy leaves, held transposed; jnp.asarray them to place
-      on a device).
+      the :class:`QuantizedWeight` or :class:`BlockWeight` (numpy leaves, held transposed;
+      jnp.asarray them to place on a device).
     Raises:
       JaxkvError: another ``fmt``, or ``w`` of fewer than 2 dimensions.
     """
-    if fmt not in ("int8", "q4"):
-        raise JaxkvError(f"quantize: format {fmt!r}: expected 'int8' or 'q4'")
+    if fmt not in ("int8", "q4", *BLOCK_FORMATS):
+        raise JaxkvError(f"quantize: format {fmt!r}: expected one of int8, q4, {', '.join(BLOCK_FORMATS)}")
     if np.ndim(w) < 2:
         raise JaxkvError(f"quantize: a weight of shape {np.shape(w)}: expected a matrix [..., I, O]")
     rows = np.swapaxes(np.asarray(w, np.float32), -1, -2)  # [..., O, I]: a view when w is float32
     lead, n_in = rows.shape[:-1], rows.shape[-1]
     flat = rows.reshape(-1, n_in)
+    if fmt in BLOCK_FORMATS:
+        blocks = np.concatenate([_quantize_blocks(flat[i : i + _ROWS], fmt) for i in range(0, len(flat), _ROWS)])
+        return BlockWeight(blocks=blocks.reshape(*lead, -1), n_in=n_in, format=fmt)
     parts = [_quantize_rows(flat[i : i + _ROWS], fmt) for i in range(0, len(flat), _ROWS)]
     codes, scales, *mins = (np.concatenate(leaves).reshape(*lead, -1) for leaves in zip(*parts))
     return QuantizedWeight(codes=codes, scales=scales, mins=mins[0] if mins else None, n_in=n_in, format=fmt)
@@ -195,6 +281,16 @@ def quantize(w: np.ndarray, fmt: str) -> QuantizedWeight:
 
 _ROWS = 4096
 """Rows :func:`quantize` quantises at a time: its float32 temporaries stay a few MB whatever the matrix."""
+
+
+def _quantize_blocks(rows: np.ndarray, fmt: str) -> np.ndarray:
+    """ggml blocks ``uint8[O, I'/32 * bytes]`` of float32 ``rows [O, I]`` (zero-padded to 32)."""
+    import gguf
+
+    pad = -rows.shape[-1] % BLOCK
+    if pad:
+        rows = np.concatenate([rows, np.zeros((*rows.shape[:-1], pad), np.float32)], axis=-1)
+    return gguf.quants.quantize(np.ascontiguousarray(rows), gguf.GGMLQuantizationType(BLOCK_FORMATS[fmt]))
 
 
 def _quantize_rows(rows: np.ndarray, fmt: str) -> tuple[np.ndarray, ...]:
@@ -229,7 +325,8 @@ def _unpack_halves(codes, xp):
 
 def convert(w: np.ndarray, fmt) -> TransposedWeight | QuantizedWeight:
     """A float matrix ``w[..., I, O]`` held in weight format ``fmt`` (jax leaves): a
-    :class:`TransposedWeight` of :data:`FLOAT_FORMATS` dtype, or a :class:`QuantizedWeight`.
+    :class:`TransposedWeight` of :data:`FLOAT_FORMATS` dtype, a :class:`QuantizedWeight` or a
+    :class:`BlockWeight`.
 
     Converted on the host and placed on the device once (``jax.device_put``), so that
     converting a model's weights one by one holds at most one weight twice.
@@ -254,7 +351,7 @@ def dense(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     Args:
       x: ``[..., I]`` activations.
       w: ``[I, O]``: an array (any float dtype; a custom model's own weights), a
-        :class:`TransposedWeight` or a :class:`QuantizedWeight`.
+        :class:`TransposedWeight`, a :class:`QuantizedWeight` or a :class:`BlockWeight`.
       preferred_element_type: for weights of ``x``'s dtype: the dot's result dtype
         (None: ``x @ w``'s).
     Returns:
@@ -279,6 +376,8 @@ def as_vector(x: jax.Array) -> jax.Array:
 
 
 def _dense(x, w, preferred_element_type):
+    if isinstance(w, BlockWeight):
+        return _block_product(x.astype(jnp.float32), w)
     if isinstance(w, QuantizedWeight):
         x = x.astype(jnp.float32)
         padded = w.scales.shape[-1] * BLOCK
@@ -298,17 +397,36 @@ def _dense(x, w, preferred_element_type):
     return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
 
 
+def _block_product(x, w: BlockWeight):
+    """``x [..., I] @ W`` for ggml blocks: ggml's product where :mod:`jaxkv.models.ggml` is
+    available, else XLA's dot with the blocks dequantised."""
+    padded = w.blocks.shape[-1] // _BLOCK_BYTES[w.format] * BLOCK
+    if x.shape[-1] != padded:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - x.shape[-1])])
+    if not ggml.available():
+        return x @ w.rows().T
+    stacked = w.blocks.ndim > 2
+    if stacked and w.layer is None:
+        raise JaxkvError(f"dense: a stack of {w.blocks.shape[:-2]} block weights: pick a layer with .at(i)")
+    layer = jnp.zeros(1, jnp.int32) if w.layer is None else w.layer.reshape(1)
+    out = ggml.mul_mat(x.reshape(-1, padded), w.blocks, layer, BLOCK_FORMATS[w.format])
+    return out.reshape(*x.shape[:-1], -1)
+
+
 def embed_lookup(table, tokens: jax.Array) -> jax.Array:
     """Rows of an embedding table for ``tokens``.
 
     Args:
-      table: ``[V, D]`` array, or the :class:`QuantizedWeight` of its transpose ``[D, V]``
-        (codes ``[V, D or D/2]``).
+      table: ``[V, D]`` array, or the :class:`QuantizedWeight` / :class:`BlockWeight` of its
+        transpose ``[D, V]`` (codes ``[V, D or D/2]``, blocks ``[V, D/32 * bytes]``).
       tokens: int32 ids ``[B, T]``.
     Returns:
-      ``[B, T, D]``: in the table's dtype for an array; float32 for a QuantizedWeight (only
+      ``[B, T, D]``: in the table's dtype for an array; float32 for a quantised table (only
       the gathered rows are dequantised).
     """
+    if isinstance(table, BlockWeight):
+        rows = dequantize_blocks(jnp.take(table.blocks, tokens.reshape(-1), axis=0), table.format)
+        return rows[:, : table.n_in].reshape(*tokens.shape, table.n_in)
     if not isinstance(table, QuantizedWeight):
         return jnp.take(table, tokens, axis=0)
     ids = tokens.reshape(-1)
@@ -324,8 +442,8 @@ def embed_lookup(table, tokens: jax.Array) -> jax.Array:
 
 def tied_head(table) -> TransposedWeight | QuantizedWeight:
     """The LM head ``[D, V]`` of a tied embedding table ``[V, D]``: the table itself is the
-    head held transposed (a :class:`QuantizedWeight` table already is the head's)."""
-    return table if isinstance(table, QuantizedWeight) else TransposedWeight(t=table)
+    head held transposed (a quantised table already is the head's)."""
+    return table if isinstance(table, (QuantizedWeight, BlockWeight)) else TransposedWeight(t=table)
 
 
 def as_held(w) -> TransposedWeight | QuantizedWeight:
@@ -343,6 +461,8 @@ def legacy_leaves(w) -> tuple[np.ndarray, ...]:
     so that files saved before still resume."""
     if isinstance(w, TransposedWeight):
         return (np.swapaxes(np.asarray(w.t), -1, -2),)
+    if isinstance(w, BlockWeight):  # newer than the transposed layout: its own leaves
+        return (np.asarray(w.blocks),)
     codes = np.asarray(w.codes)
     if w.format == "q4":  # one code a byte, [..., O, I'], then packed within each block of 32
         codes = _unpack_halves(codes, np)
