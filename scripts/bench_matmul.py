@@ -15,7 +15,10 @@ left out. Forms:
 * ``int8-rows-dot``: per-output-channel int8 weights, activations quantised to int8 per row, one
   int8 x int8 -> int32 dot over the whole row, both scales after (W8A8);
 * ``int8-rows-f32``: the same codes and activation codes multiplied in float32 (the products are
-  integers, exact while a row's sum stays below 2**24), the form a one-row step would use.
+  integers, exact while a row's sum stays below 2**24), the form a one-row step would use;
+* ``ggml-q8_0``, ``ggml-q4_0``, ``ggml-q4_1``: jaxkv's ``--weights q8_0 / q4_0 / q4_1``, ggml's
+  blocks multiplied by ggml's CPU product through ``jax.ffi`` (:mod:`jaxkv.models.ggml`), the
+  stacked blocks read in place (the scan passes a layer index, as jaxkv's models do).
 
 Usage: python scripts/bench_matmul.py [--rows 1,16,64] [--rounds 3] [--forms ...]
 Prints each form's milliseconds per step (best of 5 calls per round), round by round, forms
@@ -31,6 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxkv.models import ggml
+from jaxkv.models.weights import BLOCK_FORMATS, BlockWeight, dense, quantize
 
 LAYERS, D, F = 30, 576, 1536
 SHAPES = ((D, D), (192, D), (192, D), (D, D), (F, D), (F, D), (D, F))  # [O, I] of q, k, v, o, gate, up, down
@@ -84,16 +90,21 @@ FORMS = {
     "int8-blocks-dot": (int8_blocks_dot, "blocks"),
     "int8-rows-dot": (int8_rows_dot, "rows"),
     "int8-rows-f32": (int8_rows_f32, "rows"),
+    **{f"ggml-{fmt}": (dense, fmt) for fmt in BLOCK_FORMATS},
 }
 
 
 def weights(kind: str, rng: np.random.Generator):
-    """The seven stacked matrices ``[L, O, I]`` in ``kind``: fp32, block-32 int8 or per-row int8."""
+    """The seven stacked matrices ``[L, O, I]`` in ``kind``: fp32, block-32 int8, per-row int8, or
+    ggml's blocks (a :class:`~jaxkv.models.weights.BlockWeight`)."""
     out = []
     for o, i in SHAPES:
         w = rng.normal(size=(LAYERS, o, i)).astype(np.float32) * 0.05
         if kind == "fp32":
             out.append(jnp.asarray(w))
+            continue
+        if kind in BLOCK_FORMATS:  # quantize takes W[..., I, O]
+            out.append(jax.tree.map(jnp.asarray, quantize(np.swapaxes(w, -1, -2), kind)))
             continue
         groups = w.reshape(LAYERS, o, -1, BLOCK) if kind == "blocks" else w[..., None, :]
         scale = np.abs(groups).max(-1) / 127
@@ -108,12 +119,17 @@ def step(product):
     def layer(x, ws):
         acc = x
         for w in ws:
-            n_in = (w[0] if isinstance(w, tuple) else w).shape[-1]
+            n_in = w.shape[-2] if isinstance(w, BlockWeight) else (w[0] if isinstance(w, tuple) else w).shape[-1]
             y = product(x if n_in == D else jnp.concatenate([x] * 3, axis=-1)[:, :n_in], w)
             acc = acc + 1e-3 * (y if y.shape[-1] == D else jnp.mean(y, axis=-1, keepdims=True))
         return acc, None
 
-    return jax.jit(lambda x, ws: lax.scan(layer, x, ws)[0])
+    def run(x, ws):
+        if isinstance(ws[0], BlockWeight):  # the stacks read in place: the scan runs over layer indices
+            return lax.scan(lambda x, i: layer(x, [w.at(i) for w in ws]), x, jnp.arange(LAYERS))[0]
+        return lax.scan(layer, x, ws)[0]
+
+    return jax.jit(run)
 
 
 def main(argv=None) -> None:
@@ -126,6 +142,8 @@ def main(argv=None) -> None:
     forms = args.forms.split(",")
     held = {kind: weights(kind, rng) for kind in {FORMS[f][1] for f in forms}}
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
+    if any(f.startswith("ggml-") for f in forms):
+        print(f"ggml: {ggml.library_dir()}, {ggml.threads()} threads; {ggml.unavailable_reason() or 'available'}")
     for b in (int(r) for r in args.rows.split(",")):
         x = jnp.asarray(rng.normal(size=(b, D)).astype(np.float32))
         runs = {f: step(FORMS[f][0]) for f in forms}

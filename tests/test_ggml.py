@@ -66,11 +66,13 @@ def test_ggml_product_is_the_exact_product_of_its_quantised_operands(fmt, tokens
 
 
 @pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
-def test_without_ggml_the_blocks_are_dequantised_in_xla(fmt, monkeypatch):
-    monkeypatch.setattr(ggml, "available", lambda: False)
+@pytest.mark.parametrize("why", ["no library", "more rows than ggml.MAX_ROWS"])
+def test_without_ggml_the_blocks_are_dequantised_in_xla(fmt, why, monkeypatch):
+    if why == "no library":
+        monkeypatch.setattr(ggml, "available", lambda: False)
     w = RNG.standard_normal((48, 7)).astype(np.float32)
     bw = placed(quantize(w, fmt))
-    x = jnp.asarray(RNG.standard_normal((1, 3, 48)), jnp.float32)
+    x = jnp.asarray(RNG.standard_normal((1, 3 if why == "no library" else ggml.MAX_ROWS + 1, 48)), jnp.float32)
     deq = np.asarray(bw.dequantize())
     assert deq.shape == (48, 7) and np.abs(deq - w).max() <= np.abs(w).max() / (7 if fmt == "q8_0" else 1)
     np.testing.assert_allclose(np.asarray(dense(x, bw)), np.asarray(x) @ deq, rtol=1e-5, atol=1e-5)

@@ -745,9 +745,11 @@ def decode(
       logits: float32[B, V], the logits after each row's last appended token (from :func:`prefill`).
       max_new_tokens: B token budgets (>= 1).
       sampler: the next-token rule, or B rules (one per row; traced, so any mix shares one
-        compiled loop; rows all greedy run a loop without sampling code). seed: PRNG seed (the rows draw from its split), or B seeds (one per row:
-        a row draws what it would draw alone with its seed); ``step`` is the position in the PRNG
-        stream (continue a conversation with the previous call's ``step + tokens sampled``).
+        compiled loop; rows all greedy run a loop without sampling code).
+      seed: PRNG seed (the rows draw from its split), or B seeds (one per row: a row draws what
+        it would draw alone with its seed).
+      step: the position in the PRNG stream (continue a conversation with the previous call's
+        ``step + tokens sampled``).
       block: decode steps per compiled call. eos_id: stop token (None = never stop on a token).
       on_block: called with each block's tokens, int32[B, block] (-1 = no token). A true
         return value ends decoding there: the rows still running finish with that reason (a

@@ -175,9 +175,9 @@ def param_partition_spec(
     :class:`~jaxkv.models.weights.TransposedWeight`, ``"codes"``/``"scales"``/``"mins"`` of a
     :class:`~jaxkv.models.weights.QuantizedWeight`, all ``[..., O, I]``, ``[..., O, I/2]`` (q4
     codes) or ``[..., O, I/32]`` (scales, mins)): the family's axis is mapped to where the leaf
-    holds it."""
+    holds it; the ``"blocks"`` of a :class:`~jaxkv.models.weights.BlockWeight` are replicated."""
     kv = mesh.shape["kv"]
-    if kv == 1:
+    if kv == 1 or held == "blocks":  # ggml's blocks stay whole: its product reads a device's full rows
         return P()
     family = family or registry.DEFAULT
     axis = family.head_axes.get(name) if n_kv_heads % kv == 0 else None

@@ -36,6 +36,11 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+MAX_ROWS = 16
+"""The most rows (tokens) a product gives ggml; more go to XLA's dot of the dequantised blocks.
+Measured (scripts/bench_matmul.py, SmolLM2's products, 2-core AMD EPYC, the libggml-python
+wheel): ggml 2.9-3.1x fp32 at 1 row, 1.25-1.56x at 16, 0.53-0.63x at 64, where XLA's dot of
+dequantised weights is ~1.0x (docs/PERFORMANCE.md)."""
 TARGET = "jaxkv_ggml_mul_mat"
 """The custom call's name in XLA's registry."""
 SOURCE = pathlib.Path(__file__).with_name("ggml_mul_mat.cc")

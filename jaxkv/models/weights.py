@@ -398,12 +398,12 @@ def _dense(x, w, preferred_element_type):
 
 
 def _block_product(x, w: BlockWeight):
-    """``x [..., I] @ W`` for ggml blocks: ggml's product where :mod:`jaxkv.models.ggml` is
-    available, else XLA's dot with the blocks dequantised."""
+    """``x [..., I] @ W`` for ggml blocks: ggml's product for up to :data:`ggml.MAX_ROWS` rows
+    where :mod:`jaxkv.models.ggml` is available, else XLA's dot with the blocks dequantised."""
     padded = w.blocks.shape[-1] // _BLOCK_BYTES[w.format] * BLOCK
     if x.shape[-1] != padded:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - x.shape[-1])])
-    if not ggml.available():
+    if x.size // padded > ggml.MAX_ROWS or not ggml.available():
         return x @ w.rows().T
     stacked = w.blocks.ndim > 2
     if stacked and w.layer is None:
