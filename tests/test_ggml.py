@@ -107,3 +107,53 @@ def test_the_shim_names_what_is_missing(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXKV_GGML_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="no ggml library: install libggml-python, or set"):
         ggml._build()
+
+
+def test_a_gguf_matrix_in_the_held_type_is_kept_as_the_files_bytes(tmp_path):
+    """``load_model(weights="q4_1")`` on a file whose matrices are Q4_1 holds the file's own
+    blocks (Q/K rows permuted to rotate-half; the Q8_0 table and head as Q8_0) and reads a matrix
+    of another type as float32 to quantise it: the model quantising every float32 value instead."""
+    from test_io import H, K, L, N, write_tiny_gguf
+
+    import jaxkv
+    from jaxkv.io import load_gguf
+
+    Q = gguf.GGMLQuantizationType
+    types = {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_0,
+             "attn_output": Q.Q4_1, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1}  # fmt: skip
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, types)
+    raw = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}
+    _, w, _ = load_gguf(path, blocks="q4_1")
+    rotate_half = [hd * H + c for hd in range(N) for c in [0, 2, 4, 6, 1, 3, 5, 7]]
+    for i in range(L):
+        np.testing.assert_array_equal(w["wq"].blocks[i], raw[f"blk.{i}.attn_q.weight"][rotate_half])
+        np.testing.assert_array_equal(w["wk"].blocks[i], raw[f"blk.{i}.attn_k.weight"][rotate_half[: K * H]])
+        np.testing.assert_array_equal(w["w_down"].blocks[i], raw[f"blk.{i}.ffn_down.weight"])
+    assert w["wq"].format == "q4_1" and w["embed"].format == w["lm_head"].format == "q8_0"
+    np.testing.assert_array_equal(w["embed"].blocks, raw["token_embd.weight"])
+    assert isinstance(w["wv"], np.ndarray) and w["wv"].dtype == np.float32  # Q4_0 in the file: read as float32
+
+    held = jaxkv.load_model(path, weights="q4_1").model
+    assert isinstance(held.wv[...], BlockWeight) and held.wv[...].format == "q4_1"
+    # the same model as quantising the file's float32 values (ggml's Q4_1 / Q8_0 give the blocks back)
+    config, values, _ = load_gguf(path)
+    requantised = Llama.from_weights(config, values, weight_format="q4_1")
+    for name in ("wq", "w_down", "embed", "lm_head"):
+        np.testing.assert_array_equal(getattr(held, name)[...].blocks, getattr(requantised, name)[...].blocks)
+    np.testing.assert_array_equal(logits_of(held, TOKENS), logits_of(requantised, TOKENS))
+
+
+@pytest.mark.slow
+def test_smollm2_in_its_files_q4_1_blocks_keeps_the_golden_answer(golden):
+    """SmolLM2-135M-Instruct's Q4_1 file held as its own blocks (``--weights q4_1``, ggml's
+    product): the greedy ChatML answer still starts as the golden one ("Paris")."""
+    from paths import SMOLLM2
+
+    import jaxkv
+
+    model = jaxkv.load_model(SMOLLM2, weights="q4_1")
+    assert model.model.w_gate[...].format == "q4_1" and model.model.embed[...].format == "q8_0"
+    g = golden["smollm2_chatml_paris"]
+    out = jaxkv.sample(model, g["prompt_token_ids"], max_new_tokens=12)
+    assert out.text.startswith(g["expected_text_prefix"]), out.text

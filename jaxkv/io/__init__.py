@@ -26,7 +26,7 @@ from jaxkv.io.gguf_loader import load_gguf, load_gguf_tokenizer
 from jaxkv.io.hf import is_hf_folder, load_hf
 from jaxkv.io.llama2c import load_llama2c
 from jaxkv.io.tokenizer import DecodeStream, Tokenizer
-from jaxkv.models.weights import check_weight_format
+from jaxkv.models.weights import BLOCK_FORMATS, check_weight_format
 
 __all__ = [
     "DecodeStream",
@@ -85,7 +85,11 @@ def _find_tokenizer(model_path: str, vocab_size: int) -> str:
 
 
 def load_model_files(
-    path: str | os.PathLike, tokenizer_path: str | os.PathLike | None = None, *, lazy: bool = False
+    path: str | os.PathLike,
+    tokenizer_path: str | os.PathLike | None = None,
+    *,
+    lazy: bool = False,
+    blocks: str | None = None,
 ) -> tuple[Any, Mapping[str, np.ndarray], Tokenizer]:
     """Load a model file and its tokenizer, whatever the format.
 
@@ -97,6 +101,8 @@ def load_model_files(
         ``tok{V}.model``, ``tok{V}.bin``, ``tokenizer.model``, ``tokenizer.bin`` beside it.
       lazy: a GGUF's weights as a :class:`~jaxkv.io.gguf_loader.LazyWeights` (each read when
         indexed; what :func:`load_model` uses); other formats return a dict either way.
+      blocks: a GGUF's matrices already in this block format kept as its bytes
+        (:func:`~jaxkv.io.gguf_loader.load_gguf`); other formats ignore it.
     Returns:
       ``(config, weights, tokenizer)``: the config of the file's family (see
       :mod:`jaxkv.io.registry`), its weights and the tokenizer; see :func:`load_gguf`,
@@ -113,7 +119,7 @@ def load_model_files(
     elif not os.path.isfile(path):
         raise ModelFileError(f"no such model file: {path}")
     elif _is_gguf(path):
-        config, weights, tokenizer = load_gguf(path, lazy=lazy)
+        config, weights, tokenizer = load_gguf(path, lazy=lazy, blocks=blocks)
     elif path.lower().endswith(".safetensors"):
         raise ModelFileError(
             f"{path}: a safetensors file alone is not a model: pass the Hugging Face folder that holds it "
@@ -204,7 +210,9 @@ def load_model(
         ``fp32`` (default), ``bf16``/``fp16`` (2 bytes a weight, upcast inside each dot),
         ``int8`` (GGUF Q8_0-like blocks of 32) or ``q4`` (Q4_1-like), dequantised on the fly
         inside the compiled step; activations stay float32 (see :mod:`jaxkv.models.weights`).
-        Each weight is read as float32, then converted (a Q4_1 GGUF read as ``q4`` gets the
+        ``q8_0`` / ``q4_0`` / ``q4_1``: ggml's blocks, multiplied by ggml on the CPU; a GGUF
+        matrix already in that type is kept as the file's bytes (no float32 copy). Each other
+        weight is read as float32, then converted (a Q4_1 GGUF read as ``q4`` gets the
         same blocks back, rounded through float16 scales); a GGUF one weight at a time
         (:class:`~jaxkv.io.gguf_loader.LazyWeights`), so the whole model is never held twice.
     Raises:
@@ -215,6 +223,7 @@ def load_model(
     """
     check_weight_format(weights)
     path = os.fspath(path) if path is not None else default_model_path()
-    config, arrays, tok = load_model_files(path, tokenizer, lazy=True)
+    blocks = weights if weights in BLOCK_FORMATS else None
+    config, arrays, tok = load_model_files(path, tokenizer, lazy=True, blocks=blocks)
     model = registry.family_of(config).model.from_weights(config, arrays, dtype=dtype, weight_format=weights)
     return LoadedModel(config=config, model=model, tokenizer=tok, path=path)

@@ -33,6 +33,7 @@ from jaxkv.errors import JaxkvError, ModelFileError, check_finite
 from jaxkv.io import registry
 from jaxkv.io.tokenizer import Tokenizer
 from jaxkv.models.blocks import interleaved_to_rotate_half
+from jaxkv.models.weights import BLOCK_FORMATS, HEAD_FORMATS, BlockWeight
 
 MAGIC = b"GGUF"
 _T = gguf.GGMLQuantizationType
@@ -213,7 +214,9 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(gguf_metadata(path), name=os.path.basename(os.fspath(path)))
 
 
-def load_gguf(path: str | os.PathLike, *, lazy: bool = False) -> tuple[Any, Mapping[str, np.ndarray], Tokenizer]:
+def load_gguf(
+    path: str | os.PathLike, *, lazy: bool = False, blocks: str | None = None
+) -> tuple[Any, Mapping[str, np.ndarray], Tokenizer]:
     """Read a GGUF checkpoint and its tokenizer.
 
     Args:
@@ -221,6 +224,11 @@ def load_gguf(path: str | os.PathLike, *, lazy: bool = False) -> tuple[Any, Mapp
         "llama"``), tensors in F32, F16, BF16, Q8_0, Q4_0 or Q4_1.
       lazy: return the weights as a :class:`LazyWeights` (each stack read when indexed, once;
         a NaN is then reported when its tensor is read) instead of a dict of them all.
+      blocks: None, or the block format the model will hold its matrices in (one of
+        :data:`jaxkv.models.weights.BLOCK_FORMATS`): a matrix whose tensors the file holds in
+        that ggml type (the embedding table: in :data:`~jaxkv.models.weights.HEAD_FORMATS`'s)
+        is returned as a :class:`~jaxkv.models.weights.BlockWeight` of the file's own bytes
+        (numpy leaves; Q/K rows permuted to rotate-half), never as float32.
     Returns:
       ``(config, weights, tokenizer)``: the family's config from the metadata (for Llama a
       :class:`~jaxkv.models.llama.LlamaConfig` from the ``llama.*`` keys; ``name`` = the
@@ -274,7 +282,11 @@ def load_gguf(path: str | os.PathLike, *, lazy: bool = False) -> tuple[Any, Mapp
                 )
             group.append(tensor)
             read.add(tensor_name)
-        build = functools.partial(_build_stacks, reader, name, keys, parts, group, per_layer, matrix, n_heads)
+        held = _block_format(fmt, keys, matrix, group, blocks)
+        if held is not None:
+            build = functools.partial(_block_stack, reader, keys[0], group, per_layer, held, n_heads)
+        else:
+            build = functools.partial(_build_stacks, reader, name, keys, parts, group, per_layer, matrix, n_heads)
         groups.append((tuple(keys), build))
     unread = sorted(set(tensors) - read)
     if unread:
@@ -286,7 +298,7 @@ def load_gguf(path: str | os.PathLike, *, lazy: bool = False) -> tuple[Any, Mapp
     if fmt.transform is not None:
         weights = fmt.transform(config, dict(weights))
     if not lazy:
-        weights = {key: np.ascontiguousarray(w) for key, w in weights.items()}
+        weights = {key: w if isinstance(w, BlockWeight) else np.ascontiguousarray(w) for key, w in weights.items()}
     return config, weights, Tokenizer.from_gguf_metadata(metadata, name=name)
 
 
@@ -315,6 +327,33 @@ def _build_stacks(reader: _Reader, name: str, keys, parts, tensors, per_layer: b
         list(pool.map(fill, range(len(tensors))))  # numpy releases the GIL in the heavy parts
     reader.release(tensors)
     return {key: view if per_layer else view[0] for key, view in zip(keys, views)}
+
+
+def _block_format(fmt, keys, matrix: bool, tensors, blocks: str | None) -> str | None:
+    """The block format a planned group is read in as its own bytes (:func:`_block_stack`), or
+    None (read as float32): one matrix, every tensor in that format's ggml type, and no family
+    transform that could rewrite it."""
+    if blocks is None or len(keys) != 1 or fmt.transform is not None or not (matrix or keys[0] == "embed"):
+        return None
+    held = HEAD_FORMATS.get(blocks, blocks) if keys[0] in ("embed", "lm_head") else blocks
+    wanted = gguf.GGMLQuantizationType(BLOCK_FORMATS[held])
+    return held if all(t.tensor_type == wanted for t in tensors) else None
+
+
+def _block_stack(reader: _Reader, key: str, tensors, per_layer: bool, held: str, n_heads) -> dict:
+    """``{key: BlockWeight}`` of a group's tensors as the file holds them: rows of blocks
+    ``uint8[L, out, bytes]`` (``[out, bytes]`` when not per layer; the embedding table
+    ``[V, D bytes]`` is its tied head's transpose), Q/K rows permuted to rotate-half; then the
+    file's pages released."""
+    rows = np.empty((len(tensors), *tensors[0].data.shape), np.uint8)
+    order = None
+    if n_heads:
+        order = interleaved_to_rotate_half(np.arange(rows.shape[1]), n_heads, rows.shape[1] // n_heads)
+    for i, tensor in enumerate(tensors):
+        rows[i] = tensor.data if order is None else tensor.data[order]
+    reader.release(tensors)
+    n_in = int(tensors[0].shape[0])  # the file's shape is (in, out) in ggml's order
+    return {key: BlockWeight(blocks=rows if per_layer else rows[0], n_in=n_in, format=held)}
 
 
 def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:

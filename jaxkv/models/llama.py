@@ -512,6 +512,8 @@ class Llama(nnx.Module):
         # weights are placed (peak memory: the placed weights plus one weight on the host, not two)
         for name, shape in sorted(shapes.items(), key=lambda item: -int(np.prod(item[1]))):
             w = weights[name]  # read here, once (a lazy mapping builds it now)
+            if name == "embed" and isinstance(w, HELD_FORMS):  # held as its tied head [D, V]
+                shape = shape[::-1]
             if tuple(w.shape) != shape:
                 raise JaxkvError(f"{config.name}: weight {name!r} has shape {tuple(w.shape)}, expected {shape}")
             fmt = HEAD_FORMATS.get(weight_format, weight_format) if name in ("embed", "lm_head") else weight_format
