@@ -157,3 +157,21 @@ def test_smollm2_in_its_files_q4_1_blocks_keeps_the_golden_answer(golden):
     g = golden["smollm2_chatml_paris"]
     out = jaxkv.sample(model, g["prompt_token_ids"], max_new_tokens=12)
     assert out.text.startswith(g["expected_text_prefix"]), out.text
+
+
+def test_auto_weights_hold_a_gguf_in_its_own_block_type(tmp_path, monkeypatch):
+    from test_io import write_tiny_gguf
+
+    from paths import SMOLLM2, STORIES_BIN
+
+    from jaxkv.io import best_weights
+
+    Q = gguf.GGMLQuantizationType
+    mixed, q8 = tmp_path / "mixed.gguf", tmp_path / "q8.gguf"
+    write_tiny_gguf(mixed, {"attn_q": Q.Q4_1, "attn_v": Q.Q4_0})
+    write_tiny_gguf(
+        q8, dict.fromkeys(["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"], Q.Q8_0)
+    )
+    assert [best_weights(p) for p in (SMOLLM2, q8, mixed, STORIES_BIN)] == ["q4_1", "q8_0", "fp32", "fp32"]
+    monkeypatch.setattr(ggml, "available", lambda: False)
+    assert best_weights(SMOLLM2) == "fp32"  # no ggml here: the blocks' XLA product is slow at one row

@@ -198,7 +198,7 @@ def test_compiled_decode_step_takes_the_weights_in_their_format(fmt):
 def test_weights_flag_refuses_a_bad_format_in_one_line(capsys):
     one_error_line(
         *cli(capsys, "sample", *STORIES, "--weights", "int3", "--tokens", "1", "--prompt", "hi")[::2],
-        "--weights int3: expected one of fp32, bf16, fp16, int8, q4, q8_0, q4_0, q4_1",
+        "--weights int3: expected one of auto, fp32, bf16, fp16, int8, q4, q8_0, q4_0, q4_1",
     )
 
 

@@ -19,16 +19,18 @@ MODEL_HELP = "GGUF, llama2.c .bin or Hugging Face folder (default: $JAXKV_MODEL 
 
 def add_model_flags(parser: argparse.ArgumentParser, *, model_help: str = MODEL_HELP) -> None:
     """The optional positional ``model`` (a file, a folder, or the default model) and
-    ``--weights`` (how its matrices are held: :data:`jaxkv.models.weights.WEIGHT_FORMATS`;
-    a bad value is refused by :func:`check_model_flags` in one line, before anything loads)."""
+    ``--weights`` (how its matrices are held: :data:`jaxkv.models.weights.WEIGHT_FORMATS` or
+    ``auto``, :func:`jaxkv.io.best_weights`; a bad value is refused by
+    :func:`check_model_flags` in one line, before anything loads)."""
     parser.add_argument("model", nargs="?", default=None, help=model_help)
     parser.add_argument(
         "--weights",
         default="fp32",
         metavar="FORMAT",
-        help=f"hold the weights as {'|'.join(WEIGHT_FORMATS)} (int8/q4: blocks of 32 like GGUF Q8_0/Q4_1, "
+        help=f"hold the weights as auto|{'|'.join(WEIGHT_FORMATS)} (int8/q4: blocks of 32 like GGUF Q8_0/Q4_1, "
         "dequantised inside the step; q8_0/q4_0/q4_1: ggml's own blocks, multiplied by ggml on the CPU; "
-        "activations stay float32) (default: %(default)s)",
+        "auto: a GGUF's own block type where its layer matrices all have one of those and ggml runs here, "
+        "else fp32; activations stay float32) (default: %(default)s)",
     )
 
 
@@ -37,11 +39,11 @@ def check_model_flags(args) -> None:
     subcommand has the flag), naming the flag.
 
     Raises:
-      JaxkvError: e.g. ``--weights q3: expected one of fp32, bf16, fp16, int8, q4, q8_0, q4_0, q4_1``.
+      JaxkvError: e.g. ``--weights q3: expected one of auto, fp32, bf16, fp16, int8, q4, q8_0, q4_0, q4_1``.
     """
     weights = getattr(args, "weights", None)
-    if weights is not None and weights not in WEIGHT_FORMATS:
-        raise JaxkvError(f"--weights {weights}: expected one of {', '.join(WEIGHT_FORMATS)}")
+    if weights is not None and weights not in ("auto", *WEIGHT_FORMATS):
+        raise JaxkvError(f"--weights {weights}: expected one of auto, {', '.join(WEIGHT_FORMATS)}")
 
 
 def add_tokenizer_flag(parser: argparse.ArgumentParser) -> None:

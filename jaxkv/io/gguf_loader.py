@@ -204,6 +204,20 @@ def gguf_metadata(path: str | os.PathLike) -> dict:
     return _metadata(_open(path, name), name)
 
 
+def gguf_block_format(path: str | os.PathLike) -> str | None:
+    """The block format (:data:`jaxkv.models.weights.BLOCK_FORMATS`) every layer matrix of a
+    GGUF file is stored in (``blk.*`` tensors of two or more axes), or None when they are
+    floats or of mixed types.
+
+    Raises:
+      ModelFileError: not a GGUF file, truncated or corrupt (named).
+    """
+    reader = _open(path, os.path.basename(os.fspath(path)))
+    types = {t.tensor_type for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) >= 2}
+    by_type = {gguf.GGMLQuantizationType(value): fmt for fmt, value in BLOCK_FORMATS.items()}
+    return by_type.get(types.pop()) if len(types) == 1 else None
+
+
 def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """The :class:`Tokenizer` of a GGUF file, reading its metadata only (no tensors).
 
