@@ -26,6 +26,7 @@ from jaxkv.io.gguf_loader import gguf_block_format, load_gguf, load_gguf_tokeniz
 from jaxkv.io.hf import is_hf_folder, load_hf
 from jaxkv.io.llama2c import load_llama2c
 from jaxkv.io.tokenizer import DecodeStream, Tokenizer
+from jaxkv.models import ggml
 from jaxkv.models.weights import BLOCK_FORMATS, check_weight_format
 
 __all__ = [
@@ -202,8 +203,6 @@ def best_weights(path: str | os.PathLike) -> str:
     Raises:
       ModelFileError: a corrupt GGUF file (named).
     """
-    from jaxkv.models import ggml
-
     path = os.fspath(path)
     if is_hf_folder(path) or not os.path.isfile(path) or not _is_gguf(path) or not ggml.available():
         return "fp32"

@@ -72,8 +72,8 @@ FLOAT_FORMATS = {"fp32": np.float32, "bf16": jnp.bfloat16, "fp16": np.float16}
 """The formats held as plain arrays -> their dtype."""
 HEAD_FORMATS = {"q4": "int8", "q4_0": "q8_0", "q4_1": "q8_0"}
 """The format of the embedding table and LM head where it differs from the other matrices':
-under ``q4`` they are int8 (``q4_0`` / ``q4_1``: ``q8_0``), as in llama.cpp's Q4_1 files (SmolLM2's ``token_embd`` is Q8_0;
-at 4 bits the tied head alone costs +8 % perplexity on SmolLM2)."""
+under ``q4`` they are int8 (under ``q4_0`` / ``q4_1``: ``q8_0``), as in llama.cpp's Q4_1 files
+(SmolLM2's ``token_embd`` is Q8_0; at 4 bits the tied head alone costs +8 % perplexity on SmolLM2)."""
 BLOCK = 32
 """Inputs per block of the integer formats (GGUF's ``QK8_0`` / ``QK4_1``)."""
 
@@ -208,12 +208,9 @@ class BlockWeight(_Held):
         """Layer ``layer`` (an int32 scalar, traced or not) of a stacked weight, read in place."""
         return self.replace(layer=jnp.asarray(layer, jnp.int32))
 
-    def _own_blocks(self) -> jax.Array:
-        return self.blocks if self.layer is None else self.blocks[self.layer]
-
     def rows(self) -> jax.Array:
         """The float32 transpose ``[..., O, I']`` the blocks stand for (XLA's dequantisation)."""
-        return dequantize_blocks(self._own_blocks(), self.format)
+        return dequantize_blocks(self.blocks if self.layer is None else self.blocks[self.layer], self.format)
 
     def dequantize(self) -> jax.Array:
         """The float32 matrix ``[..., I, O]`` the blocks stand for."""
@@ -405,8 +402,7 @@ def _block_product(x, w: BlockWeight):
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - x.shape[-1])])
     if x.size // padded > ggml.MAX_ROWS or not ggml.available():
         return x @ w.rows().T
-    stacked = w.blocks.ndim > 2
-    if stacked and w.layer is None:
+    if w.blocks.ndim > 2 and w.layer is None:
         raise JaxkvError(f"dense: a stack of {w.blocks.shape[:-2]} block weights: pick a layer with .at(i)")
     layer = jnp.zeros(1, jnp.int32) if w.layer is None else w.layer.reshape(1)
     out = ggml.mul_mat(x.reshape(-1, padded), w.blocks, layer, BLOCK_FORMATS[w.format])
@@ -440,7 +436,7 @@ def embed_lookup(table, tokens: jax.Array) -> jax.Array:
     return picked.rows()[:, : table.n_in].reshape(*tokens.shape, table.n_in)
 
 
-def tied_head(table) -> TransposedWeight | QuantizedWeight:
+def tied_head(table) -> TransposedWeight | QuantizedWeight | BlockWeight:
     """The LM head ``[D, V]`` of a tied embedding table ``[V, D]``: the table itself is the
     head held transposed (a quantised table already is the head's)."""
     return table if isinstance(table, (QuantizedWeight, BlockWeight)) else TransposedWeight(t=table)
