@@ -12,7 +12,8 @@ ggml build that ``$JAXKV_GGML_DIR`` names (a folder holding ``include/ggml.h`` a
 ``lib*/libggml-cpu.*``: e.g. one built for this machine, with llamafile's batched kernels).
 The shim ``ggml_mul_mat.cc`` (beside this file) is compiled once with the machine's C++
 compiler (``$CXX`` or ``c++``) against jaxlib's FFI headers and that library, into
-``~/.cache/jaxkv/ffi`` (``$JAXKV_CACHE``), keyed by its source, the jaxlib version and the
+``$XDG_CACHE_HOME/jaxkv/ffi`` (``~/.cache/jaxkv/ffi``; beside the compiled programs of
+:func:`jaxkv.cli.use_compile_cache`), keyed by its source, the jaxlib version and the
 library's path. Where any of that is missing, or the computation runs on another platform
 than the CPU, :func:`available` is False and :func:`jaxkv.models.weights.dense` dequantises
 the blocks inside the XLA program instead (same weights, float32 activations).
@@ -86,7 +87,7 @@ def _build() -> pathlib.Path:
     key = hashlib.sha256(
         b"\0".join([SOURCE.read_bytes(), jaxlib.__version__.encode(), str(lib).encode(), sys.platform.encode()])
     ).hexdigest()[:16]
-    cache = pathlib.Path(os.environ.get("JAXKV_CACHE", pathlib.Path.home() / ".cache" / "jaxkv")) / "ffi" / key
+    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "jaxkv" / "ffi" / key
     out = cache / ("jaxkv_ggml.dll" if sys.platform == "win32" else "libjaxkv_ggml.so")
     if out.is_file():
         return out
