@@ -175,3 +175,28 @@ def test_auto_weights_hold_a_gguf_in_its_own_block_type(tmp_path, monkeypatch):
     assert [best_weights(p) for p in (SMOLLM2, q8, mixed, STORIES_BIN)] == ["q4_1", "q8_0", "fp32", "fp32"]
     monkeypatch.setattr(ggml, "available", lambda: False)
     assert best_weights(SMOLLM2) == "fp32"  # no ggml here: the blocks' XLA product is slow at one row
+
+
+def test_a_stored_program_with_ggml_products_loads_in_a_new_process(tmp_path):
+    """The command's store of compiled programs (tests/test_cli_ux.py) with ``--weights q4_1``: a
+    second process loads the stored decode loop and prefill chunk, whose custom call it registers
+    before loading them (it traces nothing that would), and prints the same text."""
+    import os
+    import subprocess
+    import sys
+
+    from paths import STORIES_BIN, TOK512_MODEL
+
+    if jax.__version_info__ < (0, 6):
+        pytest.skip("no store below jax 0.6 (jaxkv.cli.use_compile_cache)")
+    cache = tmp_path / "xla"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXKV_COMPILE_CACHE": str(cache)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    argv = [sys.executable, "-m", "jaxkv.cli", "sample", str(STORIES_BIN), "--tokenizer", str(TOK512_MODEL),
+            "--prompt", "Once upon a time", "--tokens", "12", "--weights", "q4_1"]  # fmt: skip
+    first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    entries = sorted(p.relative_to(cache) for p in cache.rglob("*"))
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and "compiling instead of loading" not in second.stderr, second.stderr
+    assert second.stdout == first.stdout and sorted(p.relative_to(cache) for p in cache.rglob("*")) == entries

@@ -46,6 +46,7 @@ from jaxkv.decode import parallel
 from jaxkv.decode.sampler import Sampler, SamplingRows, prng_keys, sample_rows, step_keys
 from jaxkv.errors import INT32_LIMIT, CacheFullError, JaxkvError
 from jaxkv.io import LoadedModel
+from jaxkv.models import ggml
 from jaxkv.models.step import forward
 
 FINISH_REASONS = ("running", "eos", "length", "cache_full", "stop")
@@ -628,7 +629,8 @@ def _stored_path(key: tuple) -> str:
 
 @functools.cache
 def _code_digest() -> str:
-    """This process's code and settings a compiled program depends on: jaxkv's source, the
+    """This process's code and settings a compiled program depends on: jaxkv's source (the ggml
+    shim's included), the
     jax, jaxlib and flax versions, the backend and its devices, ``XLA_FLAGS`` and every
     ``jax.config`` value."""
     import flax
@@ -637,7 +639,7 @@ def _code_digest() -> str:
     h = hashlib.sha256()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for folder, _, files in sorted(os.walk(root)):
-        for name in sorted(f for f in files if f.endswith(".py")):
+        for name in sorted(f for f in files if f.endswith((".py", ".cc"))):
             with open(os.path.join(folder, name), "rb") as f:
                 h.update(os.path.relpath(f.name, root).encode() + f.read())
     backend = jax.devices()[0].client
@@ -668,6 +670,8 @@ def _load_executable(path: str):
             blob = f.read()
     except OSError:  # none there (a folder that cannot be read or written: storing says so)
         return None
+    if ggml.TARGET.encode() in blob:  # its custom call is registered when a trace first needs it: now
+        ggml.available()
     try:
         return serialize_executable.deserialize_and_load(*pickle.loads(blob))
     except Exception as e:  # noqa: BLE001 - a damaged or foreign file: compile instead, and drop it
