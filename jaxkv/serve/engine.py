@@ -72,7 +72,16 @@ from jaxkv.io import LoadedModel
 from jaxkv.models.step import forward
 from jaxkv.serve.prefix import PrefixStore, tree_bytes
 
-__all__ = ["ContextLengthError", "Engine", "EngineStopped", "Event", "QueueFullError", "Request", "SamplingParams"]
+__all__ = [
+    "ContextLengthError",
+    "Engine",
+    "EngineStopped",
+    "Event",
+    "QueueFullError",
+    "Request",
+    "SamplingParams",
+    "check_request",
+]
 
 log = logging.getLogger("jaxkv.serve")
 
@@ -142,6 +151,26 @@ class SamplingParams:
             raise JaxkvError(f"top_p={p!r}: expected a number in (0, 1]")
         check_int("seed", self.seed, 0, SEED_LIMIT)
         object.__setattr__(self, "stop", stop_strings(self.stop))
+
+
+def check_request(prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int, token_limit: int | None) -> list:
+    """The checks of :meth:`Engine.submit` before a request queues (also made by the Ray Serve
+    ingress, :mod:`jaxkv.serve.cluster`, before it picks a replica); returns the ids as a list.
+
+    Raises:
+      JaxkvError: ``params`` not :class:`SamplingParams`, an empty prompt, ids outside
+        ``[0, vocab_size)``; ContextLengthError: a prompt plus ``max_tokens`` beyond ``token_limit``
+        (a full cache's ``max_len``; None: a bounded cache, any length).
+    """
+    if not isinstance(params, SamplingParams):
+        raise JaxkvError(f"params={params!r}: expected SamplingParams")
+    ids = list(prompt_ids)
+    if not ids:
+        raise JaxkvError("prompt: expected at least one token")
+    check_token_ids(ids, vocab_size)
+    if token_limit is not None and len(ids) + params.max_tokens > token_limit:
+        raise ContextLengthError(len(ids), params.max_tokens, token_limit)
+    return ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,15 +408,7 @@ class Engine:
             JaxkvError): a prompt plus ``max_tokens`` beyond a full cache's ``max_len`` (before any work);
           QueueFullError: ``max_queue`` requests already wait; EngineStopped: after :meth:`shutdown`.
         """
-        if not isinstance(params, SamplingParams):
-            raise JaxkvError(f"params={params!r}: expected SamplingParams")
-        ids = list(prompt_ids)
-        if not ids:
-            raise JaxkvError("prompt: expected at least one token")
-        check_token_ids(ids, self.model.config.vocab_size)
-        limit = self.spec.token_limit
-        if limit is not None and len(ids) + params.max_tokens > limit:
-            raise ContextLengthError(len(ids), params.max_tokens, limit)
+        ids = check_request(prompt_ids, params, self.model.config.vocab_size, self.spec.token_limit)
         request = Request(ids, params, on_event)
         with self._wake:
             if self._stopping:
@@ -418,6 +439,11 @@ class Engine:
             self._thread.join()
         else:  # never started: nothing runs; end what is queued
             self._interrupt_all()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread runs: started (:meth:`start`) and not shut down."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     def stats(self) -> dict:
         """Counters and gauges for metrics: ``queue_depth``, ``busy_slots``, ``slots``, ``kv_bytes``,
