@@ -76,7 +76,10 @@ class Server:
                 raise AssertionError(f"jaxkv serve not ready after {ready_timeout} s:\n{self.output()}")
             try:
                 r = httpx.get(f"{self.url}/health", timeout=5)
-                self.health.append((r.status_code, r.json()))
+                # Ray Serve's proxy answers in text until the app is deployed (tests/test_cluster.py)
+                self.health.append(
+                    (r.status_code, r.json() if r.headers.get("content-type") == "application/json" else r.text)
+                )
                 if r.status_code == 200:
                     break
             except httpx.TransportError:

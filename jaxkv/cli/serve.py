@@ -150,6 +150,14 @@ def add_parser(sub) -> None:
         metavar="C",
         help="with --ray: Ray CPUs each replica reserves (default: 1)",
     )
+    s.add_argument(
+        "--route-imbalance",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --ray: requests a replica holding a prompt's prefix may run above the least loaded "
+        "replica and still be sent it (beyond: power of two choices) (default: --slots)",
+    )
     add_cache_flags(
         s,
         defaults={
@@ -260,10 +268,19 @@ def _checked(args) -> tuple[CacheSpec | None, str | None]:
     check_int("--stream-interval", args.stream_interval, 1, INT32_LIMIT)
     if args.model_name is not None and not args.model_name.strip():
         raise JaxkvError("--model-name: expected a non-empty name")
-    if not args.ray and (args.replicas is not None or args.replica_cpus is not None):
-        raise JaxkvError("--replicas and --replica-cpus apply to Ray Serve: add --ray")
+    ray_flags = {
+        "--replicas": args.replicas,
+        "--replica-cpus": args.replica_cpus,
+        "--route-imbalance": args.route_imbalance,
+    }
+    if not args.ray and any(v is not None for v in ray_flags.values()):
+        given = [flag for flag, v in ray_flags.items() if v is not None]
+        raise JaxkvError(f"{', '.join(given)}: Ray Serve's flags: add --ray")
     if args.ray:
         args.replicas = check_int("--replicas", 2 if args.replicas is None else args.replicas, 1, 1024)
+        args.route_imbalance = check_int(
+            "--route-imbalance", args.slots if args.route_imbalance is None else args.route_imbalance, 0, INT32_LIMIT
+        )
         args.replica_cpus = 1.0 if args.replica_cpus is None else args.replica_cpus
         if not (math.isfinite(args.replica_cpus) and args.replica_cpus >= 0):
             raise JaxkvError(f"--replica-cpus {args.replica_cpus}: expected CPUs >= 0")
@@ -323,6 +340,7 @@ def _ray_application(args, spec: CacheSpec | None, api_key: str | None):
         app_options=options,
         shutdown_timeout=args.shutdown_timeout,
         replica_cpus=args.replica_cpus,
+        router_options={"imbalance": args.route_imbalance},
     )
     return app, options["model_name"], spec
 
