@@ -77,6 +77,7 @@ def _router(loads: dict, **options) -> PrefixAffinityRouter:
     router = object.__new__(PrefixAffinityRouter)
     router.index = PrefixIndex(block=4)
     router.imbalance = options.get("imbalance", 2)
+    router.min_match = options.get("min_match", 0.5)
     router.affinity = options.get("affinity", True)
     router._replica_queue_len_cache = _Lengths(loads)
     return router
@@ -109,6 +110,8 @@ def test_router_prefers_the_holder_within_the_imbalance_bound():
     # two holders of the same (system) prefix: the less loaded one
     router.on_request_routed(_Pending(history[:8] + [7] * 8), c.replica_id, None)
     assert (_choose(router, [a, b, c], _Pending(history[:8] + [5] * 8)))[0] == [c]
+    # a known prefix under half the prompt (a shared system prompt, a new conversation): no pull
+    assert len(_choose(router, [a, b, c], _Pending(history[:8] + [5] * 9))) == 1
     unaffine = _router({"a": 0, "b": 0}, affinity=False)
     unaffine.on_request_routed(_Pending(history), b.replica_id, None)
     assert len(_choose(unaffine, [a, b], _Pending(history))) == 1
@@ -169,16 +172,16 @@ def cluster():
 
 
 STARTS = [
-    "Once upon a time, there was a little girl named Lily. She loved to play outside",
-    "Tom had a red ball. He liked to throw it high in the sky and catch it",
-    "One day, a big dog went to the park with his friend the cat",
-    "There was a little bird who lived in a tree near the river",
-    "Sam and his mom went to the store to buy some milk and bread",
-    "Once upon a time, there was a happy frog who liked to jump",
-    "Anna found a shiny box under her bed. She opened it and saw",
-    "The sun was hot, so Ben went to swim in the big blue lake",
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun with her dog, and every day they ran to the park",
+    "Tom had a red ball. He liked to throw it high in the sky and catch it. One day the ball went over the fence into the garden of his friend",
+    "One day, a big dog went to the park with his friend the cat. They saw a tall tree with many birds in it, and the cat wanted to climb",
+    "There was a little bird who lived in a tree near the river. Every morning she sang a song for the fish, and the fish jumped to hear",
+    "Sam and his mom went to the store to buy some milk and bread. At the store, Sam saw a big box of toys and he asked his mom if he",
+    "Once upon a time, there was a happy frog who liked to jump. He jumped over rocks and logs all day long, until he met a slow turtle",
+    "Anna found a shiny box under her bed. She opened it and saw a small key inside. She took the key and looked for a door that it could",
+    "The sun was hot, so Ben went to swim in the big blue lake. His sister Mia came with him, and they played with a ball in the water",
 ]
-TURNS, TOKENS = 3, 8
+TURNS, TOKENS = 3, 8  # prompts of 47-65 tokens: each follow-up's known prefix covers over half of it
 
 
 @pytest.mark.slow
@@ -222,3 +225,27 @@ def test_follow_ups_reach_the_replica_holding_their_history(cluster, stories):
     assert texts == [_expected(stories, p, TOKENS, SPEC) for p in STARTS[:4]]
     ours = [line for line in cluster.output().splitlines() if "ServeController" not in line]  # Ray's own logs the kill
     assert not any("Traceback" in line for line in ours), "\n".join(ours)
+
+
+# ---- the command line and serve run's builder --------------------------------------------------
+
+
+def test_ray_flags_need_ray(capsys):
+    from jaxkv.cli import main
+
+    assert main(["serve", *STORIES, "--replicas", "2", "--route-imbalance", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["jaxkv: error: --replicas, --route-imbalance: Ray Serve's flags: add --ray"]
+    assert main(["serve", *STORIES, "--ray", "--replicas", "0"]) == 2
+    assert "--replicas" in capsys.readouterr().err
+
+
+def test_serve_run_builder_takes_jaxkv_serve_flags():
+    from ray.serve import Application
+
+    from jaxkv.cli.serve import ray_app
+
+    app = ray_app({"argv": " ".join([*STORIES, *CACHE_FLAGS, "--replicas", "3", "--slots", "2"])})
+    assert isinstance(app, Application)
+    with pytest.raises(JaxkvError, match="--slots"):
+        ray_app({"argv": " ".join([*STORIES, "--slots", "0"])})

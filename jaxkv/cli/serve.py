@@ -321,6 +321,8 @@ def _ray_application(args, spec: CacheSpec | None, api_key: str | None):
     """``(application, model name, spec)``: the Ray Serve application of
     :func:`jaxkv.serve.cluster.build_application` for the flags (the model loaded here once, for
     its config and its default cache; each replica loads its own)."""
+    from jaxkv.cli import use_compile_cache
+
     try:
         from jaxkv.serve.cluster import build_application
     except ImportError as e:
@@ -341,6 +343,7 @@ def _ray_application(args, spec: CacheSpec | None, api_key: str | None):
         shutdown_timeout=args.shutdown_timeout,
         replica_cpus=args.replica_cpus,
         router_options={"imbalance": args.route_imbalance},
+        replica_setup=use_compile_cache,
     )
     return app, options["model_name"], spec
 

@@ -19,9 +19,10 @@ that history's state in its prefix store (the state at the end of the previous p
 follow-up prefills only the reply and the new message there, everything elsewhere). The router
 remembers which replicas it sent which prompts (:class:`PrefixIndex`: chained hashes of blocks of
 token ids, as vLLM keys its prefix cache) and sends a request to the least loaded replica holding
-its longest known prefix, unless that replica runs more than ``imbalance`` requests above the
-least loaded one; then, and for a prompt it has never seen the start of, Ray Serve's power of two
-choices. Ray Serve's own router spreads a conversation's turns over the replicas.
+its longest known prefix when that prefix covers at least ``min_match`` of the prompt (half),
+unless that replica runs more than ``imbalance`` requests above the least loaded one; otherwise
+Ray Serve's power of two choices. Ray Serve's own router spreads a conversation's turns over the
+replicas.
 
 ``jaxkv serve --ray --replicas N`` runs it (a local Ray instance, or the cluster at
 ``$RAY_ADDRESS``); ``serve run configs/ray-serve.yaml`` is the same through Ray's CLI or KubeRay.
@@ -36,7 +37,7 @@ import logging
 import random
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ray import serve
 from ray.exceptions import RayActorError
@@ -132,15 +133,23 @@ class PrefixAffinityRouter(RequestRouter):
 
     ``request_router_kwargs``: ``block`` (token ids per hashed block), ``capacity`` (blocks
     remembered), ``imbalance`` (requests a prefix-holding replica may run above the least loaded
-    one and still be chosen), ``affinity`` (False: power of two choices always, Ray Serve's
-    default router, for comparison).
+    one and still be chosen), ``min_match`` (the share of the prompt's tokens the known prefix
+    must cover, as SGLang's router's cache threshold: a shared system prompt alone does not pull
+    every new conversation to one replica), ``affinity`` (False: power of two choices always, Ray
+    Serve's default router, for comparison).
     """
 
     def initialize_state(
-        self, block: int = BLOCK_TOKENS, capacity: int = 1 << 16, imbalance: int = 4, affinity: bool = True
+        self,
+        block: int = BLOCK_TOKENS,
+        capacity: int = 1 << 16,
+        imbalance: int = 4,
+        min_match: float = 0.5,
+        affinity: bool = True,
     ) -> None:
         self.index = PrefixIndex(block, capacity)
         self.imbalance = imbalance
+        self.min_match = min_match
         self.affinity = affinity
         # through sys.modules: Ray may run a by-value copy of this class, whose globals are not
         # this module's
@@ -159,8 +168,8 @@ class PrefixAffinityRouter(RequestRouter):
         if ids is None or not self.affinity:
             return [pair]
         by_id = {r.replica_id: r for r in candidate_replicas}
-        _, holders = self.index.match(ids, by_id)
-        if holders:
+        matched, holders = self.index.match(ids, by_id)
+        if holders and matched >= self.min_match * len(ids):
             best = min((by_id[h] for h in holders), key=self.load)
             if self.load(best) - min(map(self.load, candidate_replicas)) <= self.imbalance:
                 return [[best], pair]
@@ -194,9 +203,23 @@ class EngineReplica:
       spec: every row's cache (as :class:`~jaxkv.serve.engine.Engine` takes it).
       engine_options: the Engine's keyword arguments (``slots``, ``max_queue``, ...).
       shutdown_timeout: seconds in-flight requests get when the replica stops.
+      setup: called first, in the replica's process (``jaxkv serve --ray``: its persistent
+        compilation cache, so a restarted replica loads its programs instead of compiling them).
     """
 
-    def __init__(self, model: str, *, tokenizer, weights: str, spec, engine_options: dict, shutdown_timeout: float):
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer,
+        weights: str,
+        spec,
+        engine_options: dict,
+        shutdown_timeout: float,
+        setup: Callable[[], object] | None = None,
+    ):
+        if setup is not None:
+            setup()
         loaded = load_model(model, tokenizer=tokenizer, weights=weights)
         self.engine = Engine(loaded, spec, **engine_options).start()
         self.shutdown_timeout = shutdown_timeout
@@ -362,6 +385,7 @@ def build_application(
     shutdown_timeout: float = 10.0,
     replica_cpus: float = 1.0,
     router_options: dict | None = None,
+    replica_setup: Callable[[], object] | None = None,
 ):
     """The Ray Serve application: ``serve.run(build_application(...))``.
 
@@ -373,6 +397,7 @@ def build_application(
       app_options: :func:`~jaxkv.serve.app.create_app`'s keyword arguments (``model_name`` at least).
       shutdown_timeout: seconds a stopping replica gives its requests.
       router_options: :class:`PrefixAffinityRouter`'s ``request_router_kwargs``.
+      replica_setup: called first in each replica's process (an importable function).
     Returns:
       a ``ray.serve.Application`` (the :class:`Ingress` bound to the :class:`EngineReplica` deployment).
     """
@@ -396,5 +421,6 @@ def build_application(
         spec=spec,
         engine_options=engine_options,
         shutdown_timeout=shutdown_timeout,
+        setup=replica_setup,
     )
     return Ingress.bind(replica, replicas=replicas, app_options=app_options)
