@@ -249,3 +249,18 @@ def test_serve_run_builder_takes_jaxkv_serve_flags():
     assert isinstance(app, Application)
     with pytest.raises(JaxkvError, match="--slots"):
         ray_app({"argv": " ".join([*STORIES, "--slots", "0"])})
+
+
+def test_ray_flag_without_ray_names_the_extra(monkeypatch, capsys):
+    import sys
+
+    import jaxkv.serve
+    from jaxkv.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    monkeypatch.delitem(sys.modules, "jaxkv.serve.cluster")
+    monkeypatch.delattr(jaxkv.serve, "cluster")
+    assert main(["serve", *STORIES, "--ray"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "jaxkv: error: jaxkv serve --ray needs Ray Serve (ray is missing): pip install 'jaxkv[cluster]'"
+    )

@@ -317,18 +317,28 @@ def _app_options(args, api_key: str | None, config) -> dict:
     )
 
 
+def _cluster():
+    """:mod:`jaxkv.serve.cluster` (Ray Serve's part of jaxkv).
+
+    Raises:
+      JaxkvError: Ray Serve is not installed (the ``cluster`` extra).
+    """
+    try:
+        from jaxkv.serve import cluster
+    except ImportError as e:
+        raise JaxkvError(
+            f"jaxkv serve --ray needs Ray Serve ({e.name} is missing): pip install 'jaxkv[cluster]'"
+        ) from None
+    return cluster
+
+
 def _ray_application(args, spec: CacheSpec | None, api_key: str | None):
     """``(application, model name, spec)``: the Ray Serve application of
     :func:`jaxkv.serve.cluster.build_application` for the flags (the model loaded here once, for
     its config and its default cache; each replica loads its own)."""
     from jaxkv.cli import use_compile_cache
 
-    try:
-        from jaxkv.serve.cluster import build_application
-    except ImportError as e:
-        raise JaxkvError(
-            f"jaxkv serve --ray needs Ray Serve ({e.name} is missing): pip install 'jaxkv[cluster]'"
-        ) from None
+    build_application = _cluster().build_application
     config = load_model(args.model, tokenizer=args.tokenizer, weights="fp32").config
     spec = _model_spec(args, spec, config)
     options = _app_options(args, api_key, config)
@@ -370,6 +380,7 @@ def _run_ray(args, spec: CacheSpec | None, api_key: str | None) -> int:
     """``jaxkv serve --ray``: the application on a local Ray instance (or ``$RAY_ADDRESS``'s), its
     HTTP proxy on ``--host``/``--port``, until SIGTERM/SIGINT (then Ray Serve stops the replicas,
     each giving its requests ``--shutdown-timeout`` seconds)."""
+    _cluster()  # Ray Serve is installed, before anything starts
     sock = _bind(args.host, args.port)  # the address is usable (and port 0 picks one); Ray Serve's proxy takes it
     url, port = _url(sock), sock.getsockname()[1]
     sock.close()
