@@ -129,6 +129,12 @@ def main(argv=None) -> int:
     ap.add_argument("--words", type=int, default=400, help="words of each chat's first message")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=2 << 30,
+        help="each replica's prefix cache (one SmolLM2 state of the default cache is 47 MB: 2 GiB holds 45)",
+    )
     ap.add_argument("--out", default=None, help="write every request and the summaries here (JSON)")
     args = ap.parse_args(argv)
 
@@ -158,7 +164,11 @@ def main(argv=None) -> int:
                 model_path,
                 spec,
                 replicas=args.replicas,
-                engine_options=dict(slots=args.slots, max_num_batched_tokens=args.max_num_batched_tokens),
+                engine_options=dict(
+                    slots=args.slots,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    prefix_cache_bytes=args.prefix_cache_bytes,
+                ),
                 app_options=dict(model_name=name),
                 router_options=dict(affinity=router == "prefix"),
                 replica_setup=use_compile_cache,  # the first deployment compiles, the later ones load
