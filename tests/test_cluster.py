@@ -159,7 +159,7 @@ def cluster():
         "--replicas",
         "2",
         "--slots",
-        "2",
+        "1",  # each replica compiles 3 programs fewer than with 2 (both replicas compile at once)
         "--max-num-batched-tokens",
         "32",
         "--route-imbalance",
@@ -205,7 +205,7 @@ def test_follow_ups_reach_the_replica_holding_their_history(cluster, stories):
                 assert cached >= len(stories.tokenizer.encode(turns[t - 1][0])) - 1, (prompt, cached)
     metrics = cluster.metrics()
     assert metrics[("jaxkv_replicas", frozenset())] == 2
-    assert metrics[("jaxkv_slots", frozenset())] == 4
+    assert metrics[("jaxkv_slots", frozenset())] == 2
 
     # a replica killed: Ray Serve restarts it; meanwhile the other one serves every request
     pids = cluster.replica_pids()
