@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import random
 import sys
@@ -343,15 +344,8 @@ class RemoteEngine:
 
 
 def _last_event(last: Event, reason: str, error: str | None = None) -> Event:
-    return Event(
-        token_ids=[],
-        text="",
-        finish_reason=reason,
-        prompt_tokens=last.prompt_tokens,
-        cached_tokens=last.cached_tokens,
-        completion_tokens=last.completion_tokens,
-        error=error,
-    )
+    """The closing event after ``last``: its counts, no new tokens."""
+    return dataclasses.replace(last, token_ids=[], text="", finish_reason=reason, error=error)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
