@@ -630,9 +630,8 @@ def _stored_path(key: tuple) -> str:
 @functools.cache
 def _code_digest() -> str:
     """This process's code and settings a compiled program depends on: jaxkv's source (the ggml
-    shim's included), the
-    jax, jaxlib and flax versions, the backend and its devices, ``XLA_FLAGS`` and every
-    ``jax.config`` value."""
+    shim's included), the jax, jaxlib and flax versions, the backend and its devices,
+    ``XLA_FLAGS`` and every ``jax.config`` value."""
     import flax
     import jaxlib
 
