@@ -27,7 +27,11 @@ def _suite_compile_cache() -> None:
     ``$JAX_COMPILATION_CACHE_DIR`` when set (``scripts/test.sh --quick`` keeps one between runs),
     else a temporary folder removed when the process that made it exits. jax 0.5.0's CPU
     executables reloaded from the cache decode garbage (:func:`jaxkv.cli.use_compile_cache`), so
-    the floor runs without it."""
+    the floor runs without it. jaxlib 0.10.2 segfaults now and then in ``executable.serialize()``
+    as this cache writes a program late in a worker's run (2026-12-07: three whole-suite runs lost
+    a worker in test_testing's first ``sample``, one in test_yoco_example; a replay of that
+    worker's last 25 tests in one process, cache cold or warm, did not crash): scripts/test.sh
+    runs a test whose worker crashed once more."""
     if jax.__version_info__ < (0, 6):
         return
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -71,7 +75,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--compile-counts",
         action="store_true",
-        help="print each test module's XLA programs (compiled, loaded from the persistent cache) and their seconds",
+        help="print each test module's XLA programs (compiled, loaded from the persistent cache), their seconds and the module's test seconds",
     )
 
 
@@ -94,19 +98,22 @@ def pytest_runtest_makereport(item, call):
 def pytest_terminal_summary(terminalreporter, config):
     if not config.getoption("--compile-counts"):
         return
-    modules: dict[str, list] = {}
+    modules: dict[str, list] = {}  # compiled, loaded, compile seconds, test seconds (setup, call, teardown)
     for reports in terminalreporter.stats.values():
         for report in reports:
+            if not hasattr(report, "when"):
+                continue
+            m = modules.setdefault(report.nodeid.split("::")[0], [0, 0, 0.0, 0.0])
+            m[3] += report.duration
             for key, n in getattr(report, "user_properties", ()):
                 if key == "xla":
-                    m = modules.setdefault(report.nodeid.split("::")[0], [0, 0, 0.0])
                     m[0], m[1], m[2] = m[0] + n["programs"] - n["hits"], m[1] + n["hits"], m[2] + n["seconds"]
-    terminalreporter.section("XLA programs per test module")
-    terminalreporter.write_line(f"{'compiled':>9} {'loaded':>7} {'seconds':>8}  module")
-    for name, (compiled, hits, seconds) in sorted(modules.items(), key=lambda kv: -kv[1][2]):
-        terminalreporter.write_line(f"{compiled:9d} {hits:7d} {seconds:8.1f}  {name}")
-    total = [sum(m[i] for m in modules.values()) for i in range(3)]
-    terminalreporter.write_line(f"{total[0]:9d} {total[1]:7d} {total[2]:8.1f}  in all")
+    terminalreporter.section("XLA programs and test seconds per test module")
+    terminalreporter.write_line(f"{'compiled':>9} {'loaded':>7} {'compile s':>9} {'test s':>8}  module")
+    for name, (compiled, hits, seconds, spent) in sorted(modules.items(), key=lambda kv: -kv[1][3]):
+        terminalreporter.write_line(f"{compiled:9d} {hits:7d} {seconds:9.1f} {spent:8.1f}  {name}")
+    total = [sum(m[i] for m in modules.values()) for i in range(4)]
+    terminalreporter.write_line(f"{total[0]:9d} {total[1]:7d} {total[2]:9.1f} {total[3]:8.1f}  in all")
 
 
 @pytest.fixture(scope="session")

@@ -203,9 +203,11 @@ def test_follow_ups_reach_the_replica_holding_their_history(cluster, stories):
             assert text == _expected(stories, prompt, TOKENS, SPEC), prompt  # one plain engine's greedy text
             if t:  # the follow-up found the previous prompt's state on its replica
                 assert cached >= len(stories.tokenizer.encode(turns[t - 1][0])) - 1, (prompt, cached)
-    metrics = cluster.metrics()
+    deadline = time.monotonic() + 30  # a replica busy in a step answers its stats call late
+    while (metrics := cluster.metrics()).get(("jaxkv_slots", frozenset()), 0) < 2 and time.monotonic() < deadline:
+        time.sleep(1)
     assert metrics[("jaxkv_replicas", frozenset())] == 2
-    assert metrics[("jaxkv_slots", frozenset())] == 2
+    assert metrics[("jaxkv_slots", frozenset())] == 2  # both replicas' engines summed
 
     # a replica killed: Ray Serve restarts it; meanwhile the other one serves every request
     pids = cluster.replica_pids()

@@ -128,7 +128,7 @@ METRICS = (
     Metric(
         "jaxkv_replicas",
         "gauge",
-        "engine replicas whose metrics these are (jaxkv serve --ray: summed over them; absent without --ray)",
+        "live engine replicas (jaxkv serve --ray: the other metrics are summed over those that reported; absent without --ray)",
         "replicas",
     ),
     Metric("jaxkv_queue_depth", "gauge", "requests waiting for a decode slot", "queue_depth"),

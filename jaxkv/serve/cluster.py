@@ -331,10 +331,11 @@ class RemoteEngine:
 
     def stats(self) -> dict:
         """The engines' :meth:`~jaxkv.serve.engine.Engine.stats` summed over the live replicas
-        (their last routing stats), plus ``replicas``: those that reported."""
+        that have reported (their last routing stats, <= ~1 s old), plus ``replicas``: the live
+        replicas the router knows."""
         router = ROUTERS.get(EngineReplica.name)
         reports = router.replica_stats() if router is not None else []
-        total = collections.Counter(replicas=len(reports))
+        total = collections.Counter(replicas=len(router.curr_replicas) if router is not None else 0)
         for report in reports:
             total.update(report)
         return dict(total)
