@@ -101,7 +101,7 @@ def pytest_terminal_summary(terminalreporter, config):
     modules: dict[str, list] = {}  # compiled, loaded, compile seconds, test seconds (setup, call, teardown)
     for reports in terminalreporter.stats.values():
         for report in reports:
-            if not hasattr(report, "when"):
+            if not isinstance(report, pytest.TestReport):
                 continue
             m = modules.setdefault(report.nodeid.split("::")[0], [0, 0, 0.0, 0.0])
             m[3] += report.duration
