@@ -43,16 +43,11 @@ EOF
 }
 
 export JAX_PLATFORMS=cpu
-# A test whose pytest-xdist worker crashed runs once more, on a new worker; a failed assertion or
-# error never runs again (pytest-rerunfailures: --rerun-except matches every exception). The crash
-# this guards against: jaxlib 0.10.2 segfaults now and then inside executable.serialize() as JAX's
-# persistent compilation cache writes a program, late in a worker's run (tests/conftest.py).
-CRASH_RERUN=(--reruns 1 --rerun-except .)
 if [ "${1:-}" = "--quick" ]; then
   shift
   # Programs compiled by one --quick run are loaded by the next (tests/conftest.py).
   export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.venv/jax-cache}
-  exec .venv/bin/python -m pytest -q -m "not slow" -n 2 -p no:cacheprovider "${CRASH_RERUN[@]}" "$@"
+  exec .venv/bin/python -m pytest -q -m "not slow" -n 2 -p no:cacheprovider "$@"
 fi
 phase_start=$(date +%s)
 phases=""
@@ -94,6 +89,6 @@ echo "== fast tests on the jax-metal floor: $(.venv-floor/bin/python -c 'import 
 .venv-floor/bin/python -m pytest -q -m "not slow and not jax_independent" -n 2 -p no:cacheprovider --durations=25 --compile-counts
 phase "floor tests"
 echo "== full suite on current jax: $(.venv/bin/python -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__)')"
-.venv/bin/python -m pytest -q -n 2 -p no:cacheprovider --durations=25 --compile-counts "${CRASH_RERUN[@]}" "$@"
+.venv/bin/python -m pytest -q -n 2 -p no:cacheprovider --durations=25 --compile-counts "$@"
 phase "full suite"
 echo "phases: $phases"

@@ -5,6 +5,7 @@ are in tests/reference.py."""
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import shutil
@@ -27,11 +28,7 @@ def _suite_compile_cache() -> None:
     ``$JAX_COMPILATION_CACHE_DIR`` when set (``scripts/test.sh --quick`` keeps one between runs),
     else a temporary folder removed when the process that made it exits. jax 0.5.0's CPU
     executables reloaded from the cache decode garbage (:func:`jaxkv.cli.use_compile_cache`), so
-    the floor runs without it. jaxlib 0.10.2 segfaults now and then in ``executable.serialize()``
-    as this cache writes a program late in a worker's run (2026-12-07: three whole-suite runs lost
-    a worker in test_testing's first ``sample``, one in test_yoco_example; a replay of that
-    worker's last 25 tests in one process, cache cold or warm, did not crash): scripts/test.sh
-    runs a test whose worker crashed once more."""
+    the floor runs without it."""
     if jax.__version_info__ < (0, 6):
         return
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -50,6 +47,38 @@ def _suite_compile_cache() -> None:
 
 
 _suite_compile_cache()
+
+
+# ---- the process's memory mappings ------------------------------------------------------------
+MAPPINGS_CLEARED_ABOVE = 30_000
+"""Memory mappings of a test process above which the compiled programs are let go at the end of a
+test module. Every XLA:CPU executable maps its code (~5 mappings for a one-op program, ~300 for a
+sampled decode's programs), and JAX's caches keep them alive: a pytest-xdist worker reached Linux's
+default ``vm.max_map_count`` (65,530) ~15 minutes into the whole suite, where the next mapping
+failed and jaxlib segfaulted (2026-12-07, inside ``executable.serialize()`` as the persistent
+compilation cache wrote a program; a floor worker held 31,000 mappings 5 minutes in)."""
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to keep under
+        return 0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of a module in this process (its module fixtures gone), free JAX's
+    compiled programs if the process holds over :data:`MAPPINGS_CLEARED_ABOVE` mappings (the next
+    module compiles or loads again what it needs)."""
+    yield
+    if (nextitem is None or nextitem.module is not item.module) and _mappings() > MAPPINGS_CLEARED_ABOVE:
+        from jaxkv.decode import loop
+
+        loop._EXECUTABLES.clear()
+        jax.clear_caches()
+        gc.collect()
 
 
 # ---- --compile-counts: the XLA compiles of each test module -----------------------------------

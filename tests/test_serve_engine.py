@@ -85,7 +85,7 @@ def test_eos_ends_a_request_in_a_full_cache_as_sample_does(stories):
     tok.eos_id = tok.encode(".", add_bos=False)[-1]
     model = dataclasses.replace(stories, tokenizer=tok)
     spec = jaxkv.CacheSpec(max_len=128)
-    engine = Engine(model, spec, slots=2).start()
+    engine = Engine(model, spec, slots=2, max_num_batched_tokens=32).start()  # warms chunks of 16, 32 only
     try:
         stopped, ignoring = (
             engine.submit(tok.encode(PROMPTS[3]), SamplingParams(max_tokens=60, ignore_eos=i)) for i in (False, True)
