@@ -52,11 +52,11 @@ _suite_compile_cache()
 # ---- the process's memory mappings ------------------------------------------------------------
 MAPPINGS_CLEARED_ABOVE = 30_000
 """Memory mappings of a test process above which the compiled programs are let go at the end of a
-test module. Every XLA:CPU executable maps its code (~5 mappings for a one-op program, ~300 for a
-sampled decode's programs), and JAX's caches keep them alive: a pytest-xdist worker reached Linux's
-default ``vm.max_map_count`` (65,530) ~15 minutes into the whole suite, where the next mapping
-failed and jaxlib segfaulted (2026-12-07, inside ``executable.serialize()`` as the persistent
-compilation cache wrote a program; a floor worker held 31,000 mappings 5 minutes in)."""
+test module. Every XLA:CPU executable maps its code (~5 mappings for a one-op program, ~340 for the
+programs of one ``jaxkv.sample`` with a new cache), and JAX's caches keep them alive: a pytest-xdist
+worker reached Linux's default ``vm.max_map_count`` (65,530) ~12 minutes into the whole suite, where
+the next mapping failed and jaxlib segfaulted (2026-12-07, inside ``executable.serialize()`` as the
+persistent compilation cache wrote a program; a floor worker held 34,561 mappings 6 minutes in)."""
 
 
 def _mappings() -> int:
@@ -73,7 +73,8 @@ def pytest_runtest_teardown(item, nextitem):
     compiled programs if the process holds over :data:`MAPPINGS_CLEARED_ABOVE` mappings (the next
     module compiles or loads again what it needs)."""
     yield
-    if (nextitem is None or nextitem.module is not item.module) and _mappings() > MAPPINGS_CLEARED_ABOVE:
+    last_of_module = nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None)
+    if last_of_module and _mappings() > MAPPINGS_CLEARED_ABOVE:
         from jaxkv.decode import loop
 
         loop._EXECUTABLES.clear()
