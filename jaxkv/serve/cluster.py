@@ -334,9 +334,10 @@ class RemoteEngine:
         that have reported (their last routing stats, <= ~1 s old), plus ``replicas``: the live
         replicas the router knows."""
         router = ROUTERS.get(EngineReplica.name)
-        reports = router.replica_stats() if router is not None else []
-        total = collections.Counter(replicas=len(router.curr_replicas) if router is not None else 0)
-        for report in reports:
+        if router is None:  # nothing routed yet
+            return {"replicas": 0}
+        total = collections.Counter(replicas=len(router.curr_replicas))
+        for report in router.replica_stats():
             total.update(report)
         return dict(total)
 
