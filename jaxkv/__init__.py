@@ -14,6 +14,7 @@ import importlib.metadata as _metadata
 
 from jaxkv.cache.kv import KVCache
 from jaxkv.cache.memory import MemoryReport, memory_report
+from jaxkv.cache.preset import cache_preset
 from jaxkv.cache.spec import CacheSpec, LayerSpecs
 from jaxkv.decode import BatchGeneration, Generation, Sampler, decode, generate, prefill, sample
 from jaxkv.decode.chat import ChatSession
@@ -42,6 +43,7 @@ __all__ = [
     "MemoryReport",
     "ModelFileError",
     "Sampler",
+    "cache_preset",
     "decode",
     "forward",
     "generate",

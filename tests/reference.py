@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 
@@ -38,7 +40,20 @@ def rope(x, pos, theta, layout="half"):
 # ------------------------------------------------------------------ KIVI (the one NumPy reference)
 
 # numpy types of jaxkv's float dtype names (bfloat16 from ml_dtypes, as in JAX)
-NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+NP_DTYPES = {
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+    "float32": np.float32,
+    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+    "float8_e5m2": ml_dtypes.float8_e5m2,
+}
+
+# Lloyd-Max levels of N(0, 1) (J. Max, "Quantizing for minimum distortion", IRE Trans. IT-6, 1960,
+# Table I, 4 and 16 levels; the positive half, ascending)
+MAX_1960 = {
+    2: (0.4528, 1.510),
+    4: (0.1284, 0.3881, 0.6568, 0.9424, 1.256, 1.618, 2.069, 2.733),
+}
 
 
 def ref_round(x, dtype, *, up):
@@ -47,7 +62,8 @@ def ref_round(x, dtype, *, up):
     if np.dtype(dtype) == np.float32:
         return y
     wrong = (y.astype(F32) < x) if up else (y.astype(F32) > x)
-    target = np.array(np.inf if up else -np.inf, dtype=dtype)
+    top = float(ml_dtypes.finfo(dtype).max)  # float8_e4m3fn has no inf
+    target = np.array(top if up else -top, dtype=dtype)
     return np.where(wrong, np.nextafter(y, target), y)
 
 
@@ -84,13 +100,83 @@ def ref_quantize(x, *, bits, axis, group=None, scale_dtype=np.float32):
     return q, scale.squeeze(ax + 1), zero.squeeze(ax + 1)
 
 
-def ref_dequantize(q, scale, zero, *, axis, dtype=np.float32):
-    """float64 ``q * scale + zero`` (scale/zero as :func:`ref_quantize` returns them),
-    saturated into ``dtype``'s finite range and cast."""
+CLIP_RANGES = {"uniform": (1.0, 0.9, 0.8, 0.7, 0.6, 0.5), "normal": (1.0, 0.85, 1.15, 0.7, 1.3)}
+"""The candidate ranges of jaxkv's clipping search (jaxkv/cache/kivi.py), by codebook."""
+
+
+def lloyd_max(bits, iterations=2000):
+    """The ``2**bits`` Lloyd-Max levels of N(0, 1), float64, ascending: Lloyd's iteration from
+    levels spread evenly over [-3, 3], in NumPy (cells' centroids from the normal's pdf and cdf)."""
+    erf = np.vectorize(math.erf)
+    pdf = lambda t: np.exp(-np.square(t) / 2) / math.sqrt(2 * math.pi)  # noqa: E731
+    cdf = lambda t: 0.5 * (1 + erf(t / math.sqrt(2)))  # noqa: E731
+    n = 2**bits
+    levels = -3 + 6 * (np.arange(n) + 0.5) / n
+    for _ in range(iterations):
+        edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
+        a, b = edges[:-1], edges[1:]
+        levels = (pdf(a) - pdf(b)) / (cdf(b) - cdf(a))
+    return levels
+
+
+def ref_search(x, *, bits, axis, group=None, scale_dtype=np.float32, codebook="uniform", ranges=(1.0,), levels=None):
+    """The clipping search and the normal codebook of jaxkv/cache/kivi.py, written from their
+    definitions: per group, of the candidate ranges (``uniform``: ``[min, max]`` shrunk towards the
+    group's mean by each fraction; ``normal``: the standard deviation times each), the one of least
+    squared error of the reconstruction from the *stored* scale and zero (directed rounding as
+    :func:`ref_quantize`, the normal codebook's zero the mean rounded to nearest); ``normal`` codes
+    index the Lloyd-Max levels of N(0, 1) (``levels``, else :data:`MAX_1960`'s). Returns ``(codes,
+    scale, zero, levels)`` (``levels`` None for ``uniform``)."""
+    x = np.asarray(x).astype(F32)
+    ax = axis % x.ndim
+    group = x.shape[ax] if group is None else group
+    n = x.shape[ax] // group
+    xg = x.reshape(x.shape[:ax] + (n, group) + x.shape[ax + 1 :])
+    sdt = NP_DTYPES[np.dtype(scale_dtype).name]
+    fi = ml_dtypes.finfo(sdt)
+    smax, eps = F32(fi.max), F32(max(float(fi.tiny), 2.0**-100))
+    mean = xg.mean(axis=ax + 1, keepdims=True, dtype=F32)
+    lo, hi = xg.min(axis=ax + 1, keepdims=True), xg.max(axis=ax + 1, keepdims=True)
+    if codebook == "normal":
+        half = np.asarray(MAX_1960[bits], F32)
+        levels = np.concatenate([-half[::-1], half]) if levels is None else np.asarray(levels, F32)
+        zero = np.clip(mean, -smax, smax).astype(sdt)
+        std = np.sqrt(np.mean(np.square(xg - zero.astype(F32)), axis=ax + 1, keepdims=True, dtype=F32))
+    best = None
+    for c in ranges:
+        if codebook == "normal":
+            scale = ref_round(np.clip(std * F32(c), eps, smax).astype(F32), sdt, up=True)
+            zf, sf = zero.astype(F32), scale.astype(F32)
+            t = (xg * F32(0.25) - zf * F32(0.25)) * (F32(4.0) / sf)
+            q = np.argmin(np.abs(t[..., None] - levels), axis=-1)  # the nearest level
+            rec = levels[q] * sf + zf
+        else:
+            lo_c = lo if c == 1.0 else mean + F32(c) * (lo - mean)
+            hi_c = hi if c == 1.0 else mean + F32(c) * (hi - mean)
+            zero_c = ref_round(np.clip(lo_c, -smax, smax), sdt, up=False)
+            zf = zero_c.astype(F32)
+            scale = ref_round(
+                np.clip((hi_c * F32(0.5) - zf * F32(0.5)) * F32(2.0 / (2**bits - 1)), eps, smax), sdt, up=True
+            )
+            sf = scale.astype(F32)
+            q = np.clip(np.round((xg * F32(0.25) - zf * F32(0.25)) * (F32(4.0) / sf)), 0, 2**bits - 1)
+            rec = q * sf + zf
+        err = np.sum(np.square(rec - xg), axis=ax + 1, keepdims=True)
+        candidate = (err, zero if codebook == "normal" else zero_c, scale, q)
+        best = candidate if best is None else tuple(np.where(err < best[0], *pair) for pair in zip(candidate, best))
+    _, zero, scale, q = best
+    return q.astype(np.uint8).reshape(x.shape), scale.squeeze(ax + 1), zero.squeeze(ax + 1), levels
+
+
+def ref_dequantize(q, scale, zero, *, axis, dtype=np.float32, levels=None):
+    """float64 ``q * scale + zero`` (scale/zero as :func:`ref_quantize` returns them; ``levels``:
+    ``levels[q] * scale + zero``), saturated into ``dtype``'s finite range and cast."""
     ax = axis % q.ndim
     n = scale.shape[ax]
     g = q.shape[ax] // n
-    qg = q.astype(np.float64).reshape(q.shape[:ax] + (n, g) + q.shape[ax + 1 :])
+    qg = (q.astype(np.float64) if levels is None else levels[q].astype(np.float64)).reshape(
+        q.shape[:ax] + (n, g) + q.shape[ax + 1 :]
+    )
     s = np.expand_dims(scale.astype(np.float64), ax + 1)
     z = np.expand_dims(zero.astype(np.float64), ax + 1)
     x = (qg * s + z).reshape(q.shape)
@@ -113,9 +199,13 @@ def ref_pack(codes, bits):
     return out
 
 
-def quantize_dequantize(x, bits, axis, scale_dtype=np.float32):
+def quantize_dequantize(x, bits, axis, scale_dtype=np.float32, coding=None):
     """KIVI fake-quantisation of ``x`` with one group over ``axis``: :func:`ref_dequantize`
-    of :func:`ref_quantize` (float32 result)."""
+    of :func:`ref_quantize` (float32 result); ``coding``: :func:`ref_search`'s ``codebook``,
+    ``ranges`` and ``levels`` instead."""
+    if coding:
+        q, scale, zero, levels = ref_search(x, bits=bits, axis=axis, scale_dtype=scale_dtype, **coding)
+        return ref_dequantize(q, scale, zero, axis=axis, levels=levels)
     q, scale, zero = ref_quantize(x, bits=bits, axis=axis, scale_dtype=scale_dtype)
     return ref_dequantize(q, scale, zero, axis=axis)
 
@@ -157,6 +247,8 @@ class RefDecoder:
       hadamard: ``(keys, values)`` bools: quantise that side as ``x @ M`` and read it back as
         ``dequantise(...) @ M.T``, M the orthonormal Sylvester Hadamard matrix (built here by
         Kronecker products, not with jaxkv's code).
+      codebook, clip, levels: the window's codes by :func:`ref_search` (``clip``: its candidate
+        ranges; ``levels``: a normal codebook's levels by bits), else :func:`ref_quantize`'s.
       keep, keep_rule, keep_bits: a keep tier of ``keep`` slots for tokens leaving the window
         (float window only), simulated slot by slot: a leaving token takes the first empty
         slot, else the first slot of the lowest priority if its own is higher; priority =
@@ -187,8 +279,12 @@ class RefDecoder:
         keep_rule="recent",
         keep_bits=None,
         keep_rotate=(False, False),
+        codebook="uniform",
+        clip=None,
+        levels=None,
     ):
         self.w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
+        self.codebook, self.clip, self.levels = codebook, clip, levels
         self.cfg = cfg
         self.sink, self.window = sink, window
         self.bits, self.g, self.r = bits, group_size, residual
@@ -236,17 +332,26 @@ class RefDecoder:
         kb, vb = self.bits if isinstance(self.bits, tuple) else (self.bits, self.bits)
         kg = k.reshape(L, K, R // self.g, self.g, H)
         if isinstance(kb, int):
-            kd = quantize_dequantize(kg, kb, axis=3, scale_dtype=self.scale_dtype).reshape(L, K, R, H)
+            kd = quantize_dequantize(kg, kb, axis=3, scale_dtype=self.scale_dtype, coding=self.coding(kb)).reshape(
+                L, K, R, H
+            )
         else:  # a float side: the stored floats
             kd = k.astype(kb).astype(np.float64)
         vd = (
-            quantize_dequantize(v, vb, axis=3, scale_dtype=self.scale_dtype)
+            quantize_dequantize(v, vb, axis=3, scale_dtype=self.scale_dtype, coding=self.coding(vb))
             if isinstance(vb, int)
             else v.astype(vb).astype(np.float64)
         )
         kd, vd = (x @ m.T if rotated else x for x, rotated in zip((kd, vd), self.hadamard))
         for i, p in enumerate(positions):
             self.kq[p], self.vq[p] = kd[:, :, i], vd[:, :, i]
+
+    def coding(self, bits):
+        """:func:`quantize_dequantize`'s ``coding`` of the window's ``bits``-bit codes (None: plain KIVI)."""
+        if self.codebook == "uniform" and self.clip is None:
+            return None
+        levels = self.levels[bits] if self.codebook == "normal" else None
+        return dict(codebook=self.codebook, ranges=self.clip or (1.0,), levels=levels)
 
     def _stored(self, x):
         """``x`` as the sinks and residual hold it (rounded to ``residual_dtype``)."""
@@ -405,6 +510,9 @@ def ref_kwargs(spec):
             scale_dtype=np.dtype(spec.scale_dtype).type,
             residual_dtype=None if spec.residual_dtype == "float32" else NP_DTYPES[spec.residual_dtype],
             hadamard=(storage.rotate_keys, storage.rotate_values),
+            codebook=spec.codebook,
+            clip=CLIP_RANGES[spec.codebook] if spec.clip else None,
+            levels={b: lloyd_max(b) for b in (4, 2)},
         )
     return kw
 

@@ -56,8 +56,9 @@ def new_cache(spec, batch=1):
 
 
 # 12 (parity) + 2 (float16 scales) + 2 (other shapes) + 4 (mixed K/V) + 2 (residual dtype) + 1 (saved)
-# + 5 x 2 (pre-RoPE / Hadamard, and their plain specs) decode specs, 4 chunk shapes, 1 batch-of-2 decode
-@chex.assert_max_traces(n=42)
+# + 5 x 2 (pre-RoPE / Hadamard, and their plain specs) + 3 (clip, codebook, float8 scales) + 3 (full
+# cache with sinks) decode specs, 4 chunk shapes, 1 batch-of-2 decode
+@chex.assert_max_traces(n=48)
 def _step(graphdef, state, tokens, n, cache):
     return forward(graphdef, state, tokens, n, cache)
 
@@ -242,6 +243,70 @@ def test_pre_rope_keys_and_hadamard_match_reference_across_three_wraps(g, mode, 
     assert held == ref_held
     plain, _ = reference(kivi_spec(g, mode, positions), tokens)[:2]
     assert np.max(np.abs(got - plain)) > 1e-3  # the lever changes what is stored: the test can tell
+
+
+@pytest.mark.parametrize(
+    "g,mode,positions,storage",
+    [
+        (4, "int2", "absolute", dict(clip=True, scale_dtype="float8_e4m3fn")),
+        (8, "int4", "cache", dict(codebook="normal", clip=True, hadamard="values")),
+        (4, "int2", "absolute", dict(codebook="normal", hadamard="both", scale_dtype="float16")),
+    ],
+)
+def test_clip_search_normal_codebook_and_float8_scales_match_reference_across_three_wraps(g, mode, positions, storage):
+    """Issue 35's levers inside the cache: each group's range by the clipping search, the normal
+    (Lloyd-Max) codebook, 8-bit scales; the reference quantises with its own search and its own
+    Lloyd-Max levels (tests/reference.py). Logits agree to 1e-4 at every step across three wraps."""
+    spec = kivi_spec(g, mode, positions, **storage)
+    tokens = tokens_for(three_wraps(spec), seed=g + 23)
+    got, held, _ = decode(spec, tokens)
+    expected, ref_held, _ = reference(spec, tokens)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+    assert held == ref_held
+    plain = reference(kivi_spec(g, mode, positions, hadamard=storage.get("hadamard", "none")), tokens)[0]
+    assert np.max(np.abs(got - plain)) > 1e-3  # the levers change what is stored: the test can tell
+
+
+def test_full_cache_with_full_precision_sinks_matches_reference():
+    """A quantised full cache may keep its first tokens apart, in full precision (IntactKV): the
+    first 2 positions sit in sink slots, the rest flow through the residual into codes, nothing is
+    evicted. Logits equal the reference's to 1e-4 at every step and differ from the same cache
+    without sinks; with ``positions="cache"`` a full cache's ranks are its positions, so it equals
+    the same cache with pre-RoPE keys at absolute positions."""
+    full = dict(max_len=41, kv_quantize="int2", group_size=4, residual=8, scale_dtype="float32")
+    spec = CacheSpec(sink=2, **full)
+    assert spec.describe().startswith("full 41 (2 full-precision sinks)") and spec.n_sink == 2
+    tokens = tokens_for(41, seed=29)
+    got, held, _ = decode(spec, tokens)
+    expected, ref_held, _ = reference(spec, tokens)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+    assert held == ref_held and held[-1] == list(range(41))
+    assert np.max(np.abs(got - reference(CacheSpec(**full), tokens)[0])) > 1e-3
+    at_rank = decode(CacheSpec(sink=2, positions="cache", **full), tokens)[0]
+    np.testing.assert_allclose(at_rank, decode(CacheSpec(sink=2, pre_rope_keys=True, **full), tokens)[0], atol=1e-6)
+    with pytest.raises(JaxkvError, match=r"CacheSpec.sink=2 needs a window: .* only to hold them in full precision"):
+        CacheSpec(max_len=41, sink=2, kv_quantize="fp16")
+
+
+def test_codebook_and_clip_specs_refused_by_name():
+    shape = dict(sink=2, window=16, group_size=4, residual=8)
+    with pytest.raises(JaxkvError, match=r"^CacheSpec.codebook='nf4': expected one of uniform, normal$"):
+        CacheSpec(kv_quantize="int4", codebook="nf4", **shape)
+    with pytest.raises(
+        JaxkvError, match=r"CacheSpec.clip=True is for a quantised cache .* keys as fp16 and values as fp16"
+    ):
+        CacheSpec(kv_quantize="fp16", clip=True, **shape)
+    with pytest.raises(JaxkvError, match=r"CacheSpec.clip='yes': expected True or False"):
+        CacheSpec(kv_quantize="int4", clip="yes", **shape)
+    with pytest.raises(
+        JaxkvError,
+        match=r"codebook='normal' has levels for int4 and int2 codes: store int8 sides with codebook=uniform",
+    ):
+        CacheSpec(kv_quantize="int2", k_quantize="int8", codebook="normal", **shape)
+    with pytest.raises(
+        JaxkvError, match=r"scale_dtype='float8': expected one of float16, float32, float8_e4m3fn, float8_e5m2"
+    ):
+        CacheSpec(kv_quantize="int4", scale_dtype="float8", **shape)
 
 
 def test_hadamard_and_pre_rope_specs_refused_by_name():

@@ -60,6 +60,8 @@ _LATER_SPEC_FIELDS = (
     "keep",
     "keep_score",
     "keep_quantize",
+    "codebook",
+    "clip",
 )
 """CacheSpec fields added after the format was defined: written only when not their default,
 so a cache that does not use them is saved byte for byte as before (``pre_rope_keys`` also not

@@ -75,6 +75,10 @@ class KiviStorage(Storage):
       rotate_keys, rotate_values: quantise ``x @ M`` instead of ``x`` for the keys (values), M
         the orthonormal Hadamard matrix of the head (:mod:`jaxkv.cache.rotation`; a quantised
         side only, keys after RoPE only); attention folds M into its read.
+      codebook: the code levels of the quantised sides, ``uniform`` (KIVI) or ``normal``
+        (:func:`jaxkv.cache.kivi.normal_codebook`; int4/int2 sides).
+      clip: choose each group's range by a clipping search (:data:`jaxkv.cache.kivi.CLIP_RANGES`)
+        instead of its min and max; the codes are read as before.
     """
 
     kind: str = "int4"
@@ -85,6 +89,8 @@ class KiviStorage(Storage):
     residual_dtype: str = "float32"
     rotate_keys: bool = False
     rotate_values: bool = False
+    codebook: str = "uniform"
+    clip: bool = False
 
     ring_group = "residual"
 
@@ -169,6 +175,12 @@ class KiviStorage(Storage):
             pos=jnp.full((batch, w), -1, jnp.int32),
         )
 
+    @property
+    def _coding(self) -> dict:
+        """The quantisers' storage arguments: scale dtype, codebook, clipping search."""
+        clip = kivi.CLIP_RANGES[self.codebook] if self.clip else None
+        return dict(scale_dtype=self.scale_dtype, codebook=self.codebook, clip=clip)
+
     def _encode(self, k, v) -> dict:
         """The store leaves (by name) of R residual keys/values ``[..., R, H]``: codes, scales
         and zeros of a quantised side, floats of a float side."""
@@ -180,12 +192,12 @@ class KiviStorage(Storage):
         if self.key_bits is None:
             out["k_float"] = as_container(k, FLOAT_DTYPES[self.modes[0]])
         else:
-            qk = kivi.quantize_keys(k, bits=self.key_bits, group_size=self.group_size, scale_dtype=self.scale_dtype)
+            qk = kivi.quantize_keys(k, bits=self.key_bits, group_size=self.group_size, **self._coding)
             out.update(k_codes=qk.codes, k_scale=qk.scale, k_zero=qk.zero)
         if self.value_bits is None:
             out["v_float"] = as_container(v, FLOAT_DTYPES[self.modes[1]])
         else:
-            qv = kivi.quantize_values(v, bits=self.value_bits, scale_dtype=self.scale_dtype)
+            qv = kivi.quantize_values(v, bits=self.value_bits, **self._coding)
             out.update(v_codes=qv.codes, v_scale=qv.scale, v_zero=qv.zero)
         return out
 
@@ -248,14 +260,19 @@ class KiviStorage(Storage):
             k = self.read(tok(q.k_float)).astype(jnp.float32)
         else:
             k = kivi.dequantize_keys(
-                kivi.QuantizedKeys(tok(q.k_codes), grp(q.k_scale), grp(q.k_zero)), bits=self.key_bits, group_size=g
+                kivi.QuantizedKeys(tok(q.k_codes), grp(q.k_scale), grp(q.k_zero)),
+                bits=self.key_bits,
+                group_size=g,
+                codebook=self.codebook,
             )
         if self.value_bits is None:
             v = self.read(tok(q.v_float)).astype(jnp.float32)
         else:
             per = lambda x: jnp.take_along_axis(x, slots[None, :, None, :], axis=3)  # noqa: E731
             v = kivi.dequantize_values(
-                kivi.QuantizedValues(tok(q.v_codes), per(q.v_scale), per(q.v_zero)), bits=self.value_bits
+                kivi.QuantizedValues(tok(q.v_codes), per(q.v_scale), per(q.v_zero)),
+                bits=self.value_bits,
+                codebook=self.codebook,
             )
         if self.rotate_keys:
             k = rotate(k, jnp.asarray(hadamard(k.shape[-1])).T)
@@ -277,6 +294,7 @@ class KiviStorage(Storage):
                 group_size=self.group_size,
                 dtype=dtype,
                 blocks=True,
+                codebook=self.codebook,
             )
         if self.value_bits is None:
             v = [self.read(store.v_float)]
@@ -286,6 +304,7 @@ class KiviStorage(Storage):
                 bits=self.value_bits,
                 dtype=dtype,
                 blocks=True,
+                codebook=self.codebook,
             )
         rotated = self.rotate_keys or self.rotate_values
         rotation = jnp.asarray(hadamard(sum(block.shape[-1] for block in v))) if rotated else None
@@ -317,4 +336,7 @@ class KiviStorage(Storage):
         extra = "" if self.residual_dtype == "float32" else f", residual {self.residual_dtype}"
         rotated = [side for side, on in (("K", self.rotate_keys), ("V", self.rotate_values)) if on]
         extra += f", Hadamard {'+'.join(rotated)}" if rotated else ""
+        extra += "" if self.scale_dtype == "float16" else f", scales {self.scale_dtype}"
+        extra += ", normal codebook" if self.codebook == "normal" else ""
+        extra += ", clipped ranges" if self.clip else ""
         return f"{k if k == v else f'K {k} V {v}'} (G={self.group_size}, R={self.residual}{extra})"

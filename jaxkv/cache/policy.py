@@ -185,7 +185,7 @@ class FullCache(Policy):
         return self.max_len
 
     def window_start(self, q):
-        return jnp.zeros_like(q)
+        return jnp.full_like(q, self.sink)  # every position after the sinks (none evicted)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ import warnings
 
 import numpy as np
 
+from jaxkv.cache.kivi import CODEBOOKS
 from jaxkv.cache.kivi_storage import BITS, KiviStorage
 from jaxkv.cache.policy import POSITION_MODES, FullCache, Policy, StreamingLLM
 from jaxkv.cache.retention import RULES as KEEP_RULES
@@ -24,7 +25,7 @@ from jaxkv.errors import INT32_LIMIT, CacheSpecError, JaxkvError, int_problem
 FLOAT_MODES = tuple(FLOAT_DTYPES)
 QUANT_MODES = tuple(BITS)
 KV_MODES = FLOAT_MODES + QUANT_MODES
-SCALE_DTYPES = ("float16", "float32")
+SCALE_DTYPES = ("float16", "float32", "float8_e4m3fn", "float8_e5m2")
 RESIDUAL_DTYPES = ("float32", "float16", "bfloat16")
 HADAMARD_SIDES = {"none": (False, False), "keys": (True, False), "values": (False, True), "both": (True, True)}
 LEVERS = {
@@ -58,6 +59,8 @@ def make_storage(
     scale_dtype: str = "float16",
     residual_dtype: str = "float32",
     hadamard: str = "none",
+    codebook: str = "uniform",
+    clip: bool = False,
 ) -> Storage:
     """The :class:`Storage` of keys in ``kv_quantize`` and values in ``v_quantize`` (None: the
     keys' mode), values as :class:`CacheSpec` takes them (validated there). The one place a
@@ -74,6 +77,8 @@ def make_storage(
             residual_dtype=residual_dtype,
             rotate_keys=rotate_keys,
             rotate_values=rotate_values,
+            codebook=codebook,
+            clip=clip,
         )
     return FloatStorage(kind=kv_quantize, value_kind=value_kind)
 
@@ -106,7 +111,9 @@ class CacheSpec:
 
     Attributes:
       max_len: slots of a full cache, tokens (required when ``window`` is None, ignored otherwise).
-      sink: S0, first tokens always kept (attention sinks, StreamingLLM §3).
+      sink: S0, first tokens always kept (attention sinks, StreamingLLM §3), in full precision
+        (``residual_dtype``) beside a KIVI cache's codes; a full cache takes sinks only when it
+        quantises (IntactKV, Liu et al. 2024, arXiv 2403.01241: the sink tokens kept lossless).
       window: W, most recent tokens kept (for KIVI: most recent *flushed* tokens); None = full cache.
       kv_quantize: storage precision of keys and values, one of fp32, fp16, bf16, int8, int4, int2.
       k_quantize, v_quantize: None, or the keys' (values') precision, overriding ``kv_quantize``.
@@ -114,7 +121,9 @@ class CacheSpec:
       residual: R, full-precision recent tokens before quantisation (KIVI §4), a multiple of G.
       positions: ``absolute`` (keys keep RoPE of their original position) or ``cache``
         (keys stored before RoPE and rotated on read at their rank in the cache, StreamingLLM §3.2).
-      scale_dtype: storage dtype of KIVI scales and zeros (arithmetic is always float32).
+      scale_dtype: storage dtype of KIVI scales and zeros (arithmetic is always float32):
+        float16 (KIVI), float32, or 8-bit float8_e4m3fn / float8_e5m2 (half the metadata bits;
+        not on jax-metal).
       attention_window: None, or A: a query attends only to the last A positions (itself
         included) even when more are stored: a model's local sliding-window layer
         (Mistral, Gemma 2/3). Made by :meth:`local`.
@@ -136,6 +145,12 @@ class CacheSpec:
         query) or ``snapkv`` (most attention from the prompt's last tokens, chosen at the end
         of the prompt's prefill). On a full cache (``keep=0``), ``h2o`` only tracks the scores
         (SnapKV's observation pass).
+      codebook: ``uniform`` (KIVI's affine levels) or ``normal`` (Lloyd-Max levels of a standard
+        normal over each group's mean and standard deviation, the fixed distribution-shaped
+        codebook of KVQuant's non-uniform quantisation, arXiv 2401.18079 §3.4): the code levels of
+        the int4/int2 sides (:mod:`jaxkv.cache.kivi`).
+      clip: choose each group's range by a clipping search (the candidate of least squared
+        error, :data:`jaxkv.cache.kivi.CLIP_RANGES`) instead of min-max; int* sides.
       keep_quantize: the tier's storage, fp32|fp16|bf16|int8|int4|int2 (int*: per-token codes
         of keys and values; a float window only); None: the window's float mode (a KIVI
         window: ``residual_dtype``, its evicted codes dequantised once).
@@ -161,6 +176,8 @@ class CacheSpec:
     keep: int = 0
     keep_score: str = "recent"
     keep_quantize: str | None = None
+    codebook: str = "uniform"
+    clip: bool = False
 
     def __post_init__(self):
         for name, accepted in (
@@ -173,6 +190,7 @@ class CacheSpec:
             ("hadamard", tuple(HADAMARD_SIDES)),
             ("keep_score", KEEP_RULES),
             ("keep_quantize", KV_MODES),
+            ("codebook", CODEBOOKS),
         ):
             value = getattr(self, name)
             if value is None and name in ("k_quantize", "v_quantize", "keep_quantize"):
@@ -200,6 +218,17 @@ class CacheSpec:
                 "would be rotated back at every read): use {hadamard:=values}, or {positions:=absolute} "
                 "without {pre_rope_keys:name}"
             )
+        if not isinstance(self.clip, (bool, np.bool_)):
+            self._refuse("{clip}: expected True or False")
+        object.__setattr__(self, "clip", bool(self.clip))
+        for name in ("codebook", "clip"):
+            if getattr(self, name) != getattr(CacheSpec, name) and not self.quantized:
+                self._refuse(
+                    f"{{{name}}} is for a quantised cache (int8, int4 or int2 keys or values): this one stores "
+                    f"keys as {k} and values as {v}"
+                )
+        if self.codebook == "normal" and "int8" in (k, v):
+            self._refuse("{codebook} has levels for int4 and int2 codes: store int8 sides with {codebook:=uniform}")
         if self.residual_dtype != "float32" and not self.quantized:
             self._refuse(
                 f"{{residual_dtype}} is for a quantised cache (int8, int4 or int2 keys or values): this one "
@@ -223,8 +252,11 @@ class CacheSpec:
                 self._refuse(f"{{{name}}}: {problem}" + (" (positions and slots are int32)" if big else ""))
             object.__setattr__(self, name, int(value))  # numpy integers as ints: hashable, JSON, equal
         if self.window is None:
-            if self.sink:
-                self._refuse("{sink} needs a window: pass {window:=W} for a StreamingLLM cache")
+            if self.sink and not self.quantized:
+                self._refuse(
+                    "{sink} needs a window: pass {window:=W} for a StreamingLLM cache (a full cache keeps "
+                    "sinks apart only to hold them in full precision beside int8/int4/int2 codes)"
+                )
             if self.max_len is None:
                 self._refuse("{max_len}: a full cache (window=None) needs max_len, the number of slots")
         else:
@@ -318,6 +350,8 @@ class CacheSpec:
             scale_dtype=self.scale_dtype,
             residual_dtype=self.residual_dtype,
             hadamard=self.hadamard,
+            codebook=self.codebook,
+            clip=self.clip,
         )
 
     @functools.cached_property
@@ -459,6 +493,7 @@ class CacheSpec:
     def describe(self) -> str:
         """One-line human description, e.g. ``sink 4 + window 252, int4 (G=32, R=128), absolute``."""
         shape = f"sink {self.sink} + window {self.window}" if self.bounded else f"full {self.max_len}"
+        shape += f" ({self.sink} full-precision sinks)" if self.sink and not self.bounded else ""
         if self.attention_window is not None:
             shape += f" (local attention over {self.attention_window})"
         keys = ", pre-RoPE keys" if self.pre_rope_keys and self.positions == "absolute" else ""

@@ -12,6 +12,7 @@ from jaxkv.cli.flags import (
     add_tokenizer_flag,
     boosted_spec,
     cache_spec_from_args,
+    preset_note,
     sampler_from_args,
 )
 from jaxkv.decode import parallel
@@ -105,6 +106,7 @@ def run(args) -> None:
     model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
     n_layers = model.config.n_layers
     fixed = boosted_spec(args, fixed, n_layers)
+    preset_note(args, model.config, fixed)
     # a full cache without --max-len is sized per batch (the largest prompt + budget of its rows, rounded up)
     cache = (
         (lambda need: boosted_spec(args, cache_spec_from_args(args, need), n_layers))

@@ -18,6 +18,7 @@ from jaxkv.cli.flags import (
     cache_spec_from_args,
     default_cache_from_args,
     kivi_flags,
+    preset_note,
     sampler_from_args,
 )
 from jaxkv.decode import Sampler
@@ -208,6 +209,10 @@ def run(args) -> None:
         kv_residual_dtype=None,  # None: CacheSpec's
         kv_pre_rope=None,
         kv_hadamard=None,
+        kv_codebook=None,
+        kv_clip=None,
+        kv_scale_dtype=None,
+        kv_preset=None,
         kv_keep=None,
         kv_keep_score=None,
         kv_keep_quantize=None,
@@ -237,6 +242,7 @@ def run(args) -> None:
         spec = default_cache_from_args(ns, model.config)
     if spec is not None:
         spec = boosted_spec(ns, spec, model.config.n_layers)
+        preset_note(ns, model.config, spec)
     path = args.cache_file
     if path and os.path.exists(path):
         session = ChatSession.load(

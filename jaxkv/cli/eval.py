@@ -7,7 +7,14 @@ import os
 import sys
 from collections.abc import Callable
 
-from jaxkv.cli.flags import add_cache_flags, add_model_flags, add_tokenizer_flag, boosted_spec, cache_spec_from_args
+from jaxkv.cli.flags import (
+    add_cache_flags,
+    add_model_flags,
+    add_tokenizer_flag,
+    boosted_spec,
+    cache_spec_from_args,
+    preset_note,
+)
 from jaxkv.errors import JaxkvError, check_int
 from jaxkv.eval.bench import check_outputs
 from jaxkv.eval.retrieval import DEPTHS, TASKS, plot_heatmap, retrieval_accuracy
@@ -94,6 +101,7 @@ def run(args) -> None:
 
     model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
     n_layers = model.config.n_layers
+    preset_note(args, model.config, boosted_spec(args, cache_spec_from_args(args, max(lengths), args.tokens), n_layers))
     # a full cache is sized per length (its longest prompt + --tokens), a bounded one is the same at every length
     spec = (
         (lambda need: boosted_spec(args, cache_spec_from_args(args, need), n_layers))

@@ -7,9 +7,11 @@ import argparse
 import dataclasses
 import sys
 
+from jaxkv.cache.preset import STORAGE_FIELDS, preset_names, preset_storage
 from jaxkv.cache.spec import QUANT_MODES, CacheSpec, LayerSpecs
 from jaxkv.decode import Sampler, full_cache_len
 from jaxkv.decode.chat import default_cache_spec
+from jaxkv.decode.loop import new_cache_bits
 from jaxkv.decode.sampler import SEED_LIMIT
 from jaxkv.errors import CacheSpecError, FieldNames, JaxkvError, check_int
 from jaxkv.models.weights import WEIGHT_FORMATS
@@ -122,11 +124,19 @@ def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str]
 
     g = parser.add_argument_group("KV cache")
     g.add_argument(
+        "--kv-preset",
+        default=None,
+        metavar="NAME",
+        help=f"a named low-bit storage, {'|'.join(preset_names())} (configs/kv-presets; docs/QUANTIZATION.md): "
+        "the storage flags below in one word, for any cache shape; prints its effective bits (default: none)",
+    )
+    g.add_argument(
         "--streaming-llm-sink",
         type=int,
         default=None,
         metavar="N",
-        help=f"always keep the first N tokens (attention sinks) {default('streaming_llm_sink', '0')}",
+        help="always keep the first N tokens (attention sinks; with int* codes, in full precision, also in a "
+        f"full cache) {default('streaming_llm_sink', '0')}",
     )
     g.add_argument(
         "--streaming-llm-window",
@@ -179,6 +189,27 @@ def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str]
         metavar="SIDES",
         help="none|values|keys|both: quantise those int* sides rotated by an orthonormal Hadamard matrix "
         "per head, folded into attention (keys: only with keys stored after RoPE) (default: none)",
+    )
+    g.add_argument(
+        "--kv-codebook",
+        default=None,
+        metavar="LEVELS",
+        help="uniform|normal: the int4/int2 code levels, KIVI's uniform ones or Lloyd-Max levels of a normal "
+        "over each group's mean and deviation (default: uniform)",
+    )
+    g.add_argument(
+        "--kv-clip",
+        action="store_true",
+        default=None,
+        help="choose each int* group's range by a clipping search (least squared error) instead of its "
+        "min and max (default: off)",
+    )
+    g.add_argument(
+        "--kv-scale-dtype",
+        default=None,
+        metavar="DTYPE",
+        help="float16|float32|float8_e4m3fn|float8_e5m2: KIVI scales and zeros (float8: half the metadata "
+        "bits; not on jax-metal) (default: float16)",
     )
     g.add_argument(
         "--kv-keep",
@@ -259,6 +290,9 @@ CACHE_FLAGS = {
     "keep": "--kv-keep",
     "keep_score": "--kv-keep-score",
     "keep_quantize": "--kv-keep-quantize",
+    "codebook": "--kv-codebook",
+    "clip": "--kv-clip",
+    "scale_dtype": "--kv-scale-dtype",
 }
 FLAGS = {**CACHE_FLAGS, "batch": "--batch-size"}
 
@@ -310,8 +344,45 @@ def error_text(error: JaxkvError, args) -> str:
     return error.render(FlagNames(args)) if isinstance(error, CacheSpecError) else str(error)
 
 
+def apply_preset(args) -> None:
+    """Set the storage flags of ``--kv-preset`` in ``args`` (once; nothing without the flag).
+
+    Raises:
+      JaxkvError: an unknown preset, or a storage flag given beside it (the preset is the storage).
+    """
+    name = getattr(args, "kv_preset", None)
+    if name is None or getattr(args, "_preset_applied", False):
+        return
+    storage = preset_storage(name)
+    given = [CACHE_FLAGS[f] for f in STORAGE_FIELDS if f != "kv_quantize" and _given(args, f) is not None]
+    given += ["--kv-quantize"] if args.kv_quantize != "fp32" else []
+    if given:
+        raise JaxkvError(
+            f"--kv-preset {name} sets the cache's storage: leave out {', '.join(given)}, or leave out "
+            "--kv-preset and give the storage flags alone"
+        )
+    for field, value in storage.items():
+        setattr(args, _attr(field), value)
+    args._preset_applied = True
+
+
+def preset_note(args, config, spec) -> None:
+    """With ``--kv-preset``: one stderr line with the preset's storage and the effective bits per K/V
+    element of the cache ``spec`` makes for a model's ``config`` (sinks, residual, scales and zeros counted)."""
+    if getattr(args, "kv_preset", None) is None:
+        return
+    _, bits = new_cache_bits(config, spec)
+    print(
+        f"jaxkv: --kv-preset {args.kv_preset}: {spec.describe()}; {bits:.2f} effective bits per K/V element "
+        f"in this cache of {spec.capacity} slots",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def storage_modes(args) -> tuple[str, str]:
     """``(keys' mode, values' mode)`` of ``--kv-quantize`` and its ``-k``/``-v`` overrides (unchecked)."""
+    apply_preset(args)
     return (_given(args, "k_quantize") or args.kv_quantize, _given(args, "v_quantize") or args.kv_quantize)
 
 
@@ -357,6 +428,9 @@ def default_cache_from_args(args, config, **sizes) -> CacheSpec:
         residual_dtype=args.kv_residual_dtype or "float32",
         pre_rope_keys=bool(args.kv_pre_rope),
         hadamard=args.kv_hadamard or "none",
+        codebook=args.kv_codebook or CacheSpec.codebook,
+        clip=bool(args.kv_clip),
+        scale_dtype=args.kv_scale_dtype or CacheSpec.scale_dtype,
         keep=args.kv_keep or 0,
         keep_score=args.kv_keep_score or "recent",
         keep_quantize=args.kv_keep_quantize,
@@ -373,15 +447,19 @@ def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) 
     so the note comes once) when that still holds the residual.
 
     Raises:
-      JaxkvError: ``--streaming-llm-sink`` without a window or larger than it, ``--max-len``
+      JaxkvError: ``--streaming-llm-sink`` without a window (but beside int* codes) or larger than it, ``--max-len``
         with a window, ``--kv-group-size``/``--kv-residual`` without an int* storage;
         :class:`~jaxkv.errors.CacheSpecError`: a spec :class:`CacheSpec` refuses (shown with
         flag names by :func:`error_text`).
     """
     window = args.streaming_llm_window
     sink = args.streaming_llm_sink
-    if sink is not None and window is None:
-        raise JaxkvError(f"--streaming-llm-sink {sink} needs --streaming-llm-window M")
+    quantized = any(m in QUANT_MODES for m in storage_modes(args))
+    if sink is not None and window is None and not quantized:
+        raise JaxkvError(
+            f"--streaming-llm-sink {sink} needs --streaming-llm-window M (a full cache keeps sinks apart only "
+            "to hold them in full precision beside --kv-quantize int8|int4|int2 codes)"
+        )
     max_len = args.max_len
     if max_len is not None and window is not None:
         raise JaxkvError(
@@ -393,7 +471,6 @@ def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) 
             f"--streaming-llm-sink {sink} is larger than --streaming-llm-window {window}: StreamingLLM "
             "keeps a few sinks (e.g. 4) before a much larger window (swapped?)"
         )
-    quantized = any(m in QUANT_MODES for m in storage_modes(args))
     group, residual = kivi_flags(args)
     if quantized and window is not None and group >= 1 and residual >= 1 and not residual % group and window % group:
         rounded = window - window % group
@@ -418,6 +495,9 @@ def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) 
         residual_dtype=_given(args, "residual_dtype") or CacheSpec.residual_dtype,
         pre_rope_keys=bool(_given(args, "pre_rope_keys")),
         hadamard=_given(args, "hadamard") or CacheSpec.hadamard,
+        codebook=_given(args, "codebook") or CacheSpec.codebook,
+        clip=bool(_given(args, "clip")),
+        scale_dtype=_given(args, "scale_dtype") or CacheSpec.scale_dtype,
         keep=_given(args, "keep") or 0,
         keep_score=_given(args, "keep_score") or CacheSpec.keep_score,
         keep_quantize=_given(args, "keep_quantize"),
@@ -452,7 +532,10 @@ def spec_flags(spec: CacheSpec, *, shape: bool = True) -> tuple[list[str], dict]
             str(spec.window),
         ]
     elif shape:
-        flags += [CACHE_FLAGS["max_len"], str(spec.max_len)]
+        flags += ([CACHE_FLAGS["sink"], str(spec.sink)] if spec.sink else []) + [
+            CACHE_FLAGS["max_len"],
+            str(spec.max_len),
+        ]
     keys, values = spec.kv_modes
     if keys != values:
         flags += [CACHE_FLAGS["k_quantize"], keys, CACHE_FLAGS["v_quantize"], values]

@@ -15,6 +15,7 @@ from jaxkv.cli.flags import (
     boost_mode_for,
     boosted_spec,
     cache_spec_from_args,
+    preset_note,
 )
 from jaxkv.decode.loop import new_cache_bits
 from jaxkv.errors import JaxkvError, check_int
@@ -143,6 +144,7 @@ def run(args) -> None:
         nll = recompute_nll(model, ids, window=args.recompute_window, sink=sink, progress=True)
     else:
         spec = boosted_spec(args, cache_spec_from_args(args, len(ids)), model.config.n_layers)
+        preset_note(args, model.config, spec)
         what = f"cache {spec.describe()}; {bits_text(*new_cache_bits(model.config, spec))}"
         nll = token_nll(model, ids, cache=spec, chunk=args.chunk, progress=True)
     seconds = time.perf_counter() - t0

@@ -11,6 +11,7 @@ from jaxkv.cli.flags import (
     add_tokenizer_flag,
     boosted_spec,
     cache_spec_from_args,
+    preset_note,
     sampler_from_args,
 )
 from jaxkv.decode import encode_prompt, sample
@@ -101,6 +102,7 @@ def run(args) -> int:
     model = load_model(args.model, tokenizer=args.tokenizer, weights=args.weights)
     prompt_ids = encode_prompt(model.tokenizer, prompt, chat=args.chat)
     spec = boosted_spec(args, cache_spec_from_args(args, len(prompt_ids), args.tokens), model.config.n_layers)
+    preset_note(args, model.config, spec)
     if args.verbose:
         print(
             f"[jaxkv sample: {model.config.name}; prompt {len(prompt_ids)} tokens; cache {spec.describe()}; {sampler}]",

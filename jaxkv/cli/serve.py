@@ -30,6 +30,7 @@ from jaxkv.cli.flags import (
     cache_spec_from_args,
     default_cache_from_args,
     kivi_flags,
+    preset_note,
 )
 from jaxkv.decode.chat import DEFAULT_CACHE_TOKENS, DEFAULT_SINK
 from jaxkv.errors import INT32_LIMIT, JaxkvError, check_int
@@ -189,7 +190,9 @@ def _model_spec(args, spec: CacheSpec | None, config):
     """The cache the engine serves: ``spec`` (None: :func:`_default_spec`) with the boost layers."""
     if spec is None:
         spec = _default_spec(args, config)
-    return boosted_spec(args, spec, config.n_layers)
+    spec = boosted_spec(args, spec, config.n_layers)
+    preset_note(args, config, spec)
+    return spec
 
 
 def _api_key(args) -> str | None:

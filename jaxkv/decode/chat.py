@@ -100,6 +100,9 @@ def default_cache_spec(
     residual_dtype: str = "float32",
     pre_rope_keys: bool = False,
     hadamard: str = "none",
+    codebook: str = "uniform",
+    clip: bool = False,
+    scale_dtype: str = "float16",
     keep: int = 0,
     keep_score: str = "recent",
     keep_quantize: str | None = None,
@@ -112,7 +115,8 @@ def default_cache_spec(
     context). With KIVI the residual counts towards the retained tokens and the window is
     rounded down to a multiple of ``group_size``. ``positions="cache"`` keeps RoPE
     positions below the retained count (StreamingLLM §3.2), hence inside the model's context.
-    ``k_quantize``, ``v_quantize``, ``residual_dtype``, ``pre_rope_keys``, ``hadamard``, ``keep``,
+    ``k_quantize``, ``v_quantize``, ``residual_dtype``, ``pre_rope_keys``, ``hadamard``, ``codebook``,
+    ``clip``, ``scale_dtype``, ``keep``,
     ``keep_score``, ``keep_quantize``: as :class:`CacheSpec` takes them (a keep tier's slots come
     on top of the window).
 
@@ -128,6 +132,9 @@ def default_cache_spec(
         residual_dtype=residual_dtype,
         pre_rope_keys=pre_rope_keys,
         hadamard=hadamard,
+        codebook=codebook,
+        clip=clip,
+        scale_dtype=scale_dtype,
     )
     storage = CacheSpec(max_len=1, group_size=group_size, residual=residual, positions=positions, **modes).storage
     window = storage.window_for(total - sink)
