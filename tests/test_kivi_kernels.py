@@ -438,7 +438,9 @@ def test_clip_search_and_codebook_lowering_has_no_metal_hazards(codebook):
     x = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
     clip = kivi.CLIP_RANGES[codebook]
     for bits in (4, 2):
-        qk = jax.eval_shape(lambda a, b=bits: kivi.quantize_keys(a, bits=b, group_size=G, codebook=codebook, clip=clip), x)
+        qk = jax.eval_shape(
+            lambda a, b=bits: kivi.quantize_keys(a, bits=b, group_size=G, codebook=codebook, clip=clip), x
+        )
         texts = [
             kivi.quantize_keys.lower(x, bits=bits, group_size=G, codebook=codebook, clip=clip).as_text(),
             kivi.quantize_values.lower(x, bits=bits, codebook=codebook, clip=clip).as_text(),

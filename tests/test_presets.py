@@ -71,7 +71,9 @@ def test_flag_builds_the_spec_of_the_storage_flags_it_stands_for(name):
 
 
 def test_flag_beside_storage_flags_is_refused_by_name():
-    with pytest.raises(JaxkvError, match=r"--kv-preset 3bit sets the cache's storage: leave out --kv-clip, --kv-quantize"):
+    with pytest.raises(
+        JaxkvError, match=r"--kv-preset 3bit sets the cache's storage: leave out --kv-clip, --kv-quantize"
+    ):
         _flags(["--kv-preset", "3bit", "--kv-quantize", "int4", "--kv-clip"])
     with pytest.raises(JaxkvError, match=r"no KV cache preset 'int4': expected one of 3bit, 4bit"):
         _flags(["--kv-preset", "int4"])
@@ -83,5 +85,7 @@ def test_preset_keeps_the_golden_paris_answer(smollm2, golden, name):
     """Greedy ChatML answer of SmolLM2 through a full cache of each preset (4 full-precision sinks):
     the golden "The capital of France is Paris." (the fp32 cache's)."""
     g = golden["smollm2_chatml_paris"]
-    out = jaxkv.sample(smollm2, g["prompt_token_ids"], cache=jaxkv.cache_preset(name, max_len=256, sink=4), max_new_tokens=12)
+    out = jaxkv.sample(
+        smollm2, g["prompt_token_ids"], cache=jaxkv.cache_preset(name, max_len=256, sink=4), max_new_tokens=12
+    )
     assert out.text.startswith(g["expected_text_prefix"])
