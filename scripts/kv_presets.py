@@ -18,7 +18,8 @@ What it measures, on SmolLM2-135M-Instruct (the shared GGUF), through jaxkv's pu
   on: TinyStories from character 400,000 on (other stories, the same domain) and the prose of
   Python's own documentation (``pydoc_data.topics``, a different domain); the greedy answer to
   "What is the capital of France?" (ChatML, the golden prompt) in each shape; decode ms/token
-  against the fp16 cache (:func:`jaxkv.eval.bench.run`, sink 4 + window 1020, the configs round-robin).
+  against the fp16 cache of the same RoPE positions mode (:func:`jaxkv.eval.bench.run`, sink 4 +
+  window 1020, a 512-token prompt, 128 tokens, the configs round-robin 3 times, median).
 
 A full cache of a quantised storage keeps 4 sinks in full precision (the IntactKV lever); the
 fp32 baseline is a full cache without sinks.
@@ -183,13 +184,19 @@ def main() -> None:
             entry[shape]["paris"] = paris(model, spec)
             log(f"{preset} {shape}: {entry[shape]}")
     if not args.quick:
-        specs = {"fp16": CacheSpec(sink=SINK, window=WINDOW, kv_quantize="fp16")}
-        for preset in preset_names():
-            g = preset_storage(preset).get("group_size", CacheSpec.group_size)
-            specs[preset] = cache_preset(preset, sink=SINK, window=WINDOW - WINDOW % g)
+        specs = {}
+        for positions in ("absolute", "cache"):
+            specs[f"fp16, {positions}"] = CacheSpec(sink=SINK, window=WINDOW, kv_quantize="fp16", positions=positions)
+            for preset in preset_names():
+                g = preset_storage(preset).get("group_size", CacheSpec.group_size)
+                specs[f"{preset}, {positions}"] = cache_preset(
+                    preset, sink=SINK, window=WINDOW - WINDOW % g, positions=positions
+                )
         timing = bench.run(model, specs, [128], prompt_tokens=512, block=32, repeat=3, log=log)
         runs = {r["mode"]: r["rows"][0]["decode_ms_per_token"] for r in timing["runs"]}
-        res["decode_ms_per_token"] = {k: dict(ms=v, vs_fp16=runs["fp16"] / v) for k, v in runs.items()}
+        res["decode_ms_per_token"] = {
+            k: dict(ms=v, vs_fp16=runs[f"fp16, {k.split(', ')[1]}"] / v) for k, v in runs.items()
+        }
     res["wall_s"] = time.time() - t_start
     out.mkdir(parents=True, exist_ok=True)
     (out / "kv_presets.json").write_text(json.dumps(res, indent=1) + "\n")
@@ -223,7 +230,11 @@ def markdown(res: dict) -> str:
                 f"{s['paris'].strip()!r} |"
             )
     if "decode_ms_per_token" in res:
-        lines += ["", "| cache (sink 4 + window 1020) | decode ms/token | speed vs fp16 |", "|---|---:|---:|"]
+        lines += [
+            "",
+            "| cache (sink 4 + window 1020), positions | decode ms/token | speed vs fp16 |",
+            "|---|---:|---:|",
+        ]
         for name, r in res["decode_ms_per_token"].items():
             lines.append(f"| {name} | {r['ms']:.2f} | {r['vs_fp16']:.2f}x |")
     return "\n".join(lines)

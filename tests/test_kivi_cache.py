@@ -22,10 +22,11 @@ import pytest
 from flax import nnx
 
 from conftest import decode_loop_hlo
-from reference import RefDecoder, ref_config, ref_kwargs
+from reference import NP_DTYPES, RefDecoder, ref_config, ref_kwargs
 
 from jaxkv import CacheSpec, JaxkvError, KVCache, forward, prefill
 from jaxkv.cache import kivi
+from jaxkv.cache.kivi_storage import float8_bits_to_float32
 from jaxkv.eval import tables as kivi_tables
 from jaxkv.testing import materialised_buffers, numpy_weights, tiny_loaded, tiny_model
 
@@ -286,6 +287,21 @@ def test_full_cache_with_full_precision_sinks_matches_reference():
     np.testing.assert_allclose(at_rank, decode(CacheSpec(sink=2, pre_rope_keys=True, **full), tokens)[0], atol=1e-6)
     with pytest.raises(JaxkvError, match=r"CacheSpec.sink=2 needs a window: .* only to hold them in full precision"):
         CacheSpec(max_len=41, sink=2, kv_quantize="fp16")
+
+
+@pytest.mark.parametrize("scale_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_float8_scales_are_held_as_int8_and_read_back_exactly(scale_dtype):
+    """A float8 cache holds its scales and zeros as int8 bit patterns (XLA CPU would convert a whole
+    float8 leaf per update); reading them back by integer arithmetic gives every finite float8 value
+    exactly (all 256 patterns but NaN/inf), as ml_dtypes converts them."""
+    patterns = np.arange(256, dtype=np.uint8).view(np.int8)
+    want = patterns.view(NP_DTYPES[scale_dtype]).astype(np.float32)
+    got = np.asarray(float8_bits_to_float32(jnp.asarray(patterns), scale_dtype))
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(got[finite], want[finite])
+    assert np.array_equal(np.signbit(got[finite]), np.signbit(want[finite]))  # -0.0 kept
+    cache = new_cache(kivi_spec(4, "int2", "absolute", scale_dtype=scale_dtype))
+    assert {cache.quant.k_scale.dtype, cache.quant.v_zero.dtype} == {jnp.dtype(jnp.int8)}
 
 
 def test_codebook_and_clip_specs_refused_by_name():

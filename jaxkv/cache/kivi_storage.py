@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax import lax
 
@@ -38,7 +39,8 @@ class QuantRing:
 
     Attributes:
       k_codes: uint8[L, B, K, W, H/cpb], keys quantised per-channel, codes packed along H.
-      k_scale, k_zero: [L, B, K, W/G, H] (scale_dtype), one pair per channel and group of G tokens.
+      k_scale, k_zero: [L, B, K, W/G, H] (scale_dtype; float8 held as int8 bit patterns, see
+        :meth:`KiviStorage.scales`), one pair per channel and group of G tokens.
       v_codes: uint8[L, B, K, W, H/cpb], values quantised per-token.
       v_scale, v_zero: [L, B, K, W] (scale_dtype), one pair per token.
       pos: int32[B, W], absolute position per token slot, -1 = empty (None in a per-layer view).
@@ -55,6 +57,24 @@ class QuantRing:
     pos: jax.Array | None
     k_float: jax.Array | None = None
     v_float: jax.Array | None = None
+
+
+_FLOAT8 = {"float8_e4m3fn": (4, 3, 7), "float8_e5m2": (5, 2, 15)}  # exponent bits, mantissa bits, bias
+
+
+def float8_bits_to_float32(bits, dtype: str):
+    """float32 values of float8 ``dtype`` numbers held as int8 bit patterns, by integer arithmetic
+    (no NaN or inf: scales and zeros never hold them). XLA CPU emulates a float8 conversion with
+    scalar code, and a fusion holding one is not vectorised: in a decode step that dequantises
+    and rotates pre-RoPE keys that made the step 2x slower (SmolLM2, sink 4 + window 992)."""
+    e_bits, m_bits, bias = _FLOAT8[dtype]
+    u = bits.astype(jnp.int32) & 0xFF
+    sign = (u >> 7) << 31
+    e = (u >> m_bits) & ((1 << e_bits) - 1)
+    m = u & ((1 << m_bits) - 1)
+    normal = lax.bitcast_convert_type(sign | ((e - bias + 127) << 23) | (m << (23 - m_bits)), jnp.float32)
+    tiny = m.astype(jnp.float32) * np.float32(2.0 ** (1 - bias - m_bits))  # subnormal: m * 2**(1 - bias - m_bits)
+    return jnp.where(e == 0, jnp.where(sign != 0, -tiny, tiny), normal)
 
 
 _GROUP_LEAVES = ("k_scale", "k_zero")  # one slot per group of G tokens; every other leaf: one per token
@@ -159,16 +179,16 @@ class KiviStorage(Storage):
         else:
             leaves.update(
                 k_codes=jnp.zeros(lbk + (w, head_dim * self.key_bits // 8), jnp.uint8),
-                k_scale=jnp.ones(lbk + (w // g, head_dim), sdt),
-                k_zero=jnp.zeros(lbk + (w // g, head_dim), sdt),
+                k_scale=self._held(jnp.ones(lbk + (w // g, head_dim), sdt)),
+                k_zero=self._held(jnp.zeros(lbk + (w // g, head_dim), sdt)),
             )
         if self.value_bits is None:
             leaves.update(v_float=as_container(jnp.zeros(lbk + (w, head_dim)), FLOAT_DTYPES[self.modes[1]]))
         else:
             leaves.update(
                 v_codes=jnp.zeros(lbk + (w, head_dim * self.value_bits // 8), jnp.uint8),
-                v_scale=jnp.ones(lbk + (w,), sdt),
-                v_zero=jnp.zeros(lbk + (w,), sdt),
+                v_scale=self._held(jnp.ones(lbk + (w,), sdt)),
+                v_zero=self._held(jnp.zeros(lbk + (w,), sdt)),
             )
         return QuantRing(
             **{name: leaves.get(name) for name in QuantRing.__dataclass_fields__ if name != "pos"},
@@ -180,6 +200,16 @@ class KiviStorage(Storage):
         """The quantisers' storage arguments: scale dtype, codebook, clipping search."""
         clip = kivi.CLIP_RANGES[self.codebook] if self.clip else None
         return dict(scale_dtype=self.scale_dtype, codebook=self.codebook, clip=clip)
+
+    def _held(self, x):
+        """Scales or zeros as the store holds them: float8 as int8 bit patterns (XLA CPU converts a
+        whole float8 operand to float32 for a slice or an update, as it does bfloat16's: measured, a
+        sink 4 + window 992 SmolLM2 cache of pre-RoPE keys decoded 4x slower), any other dtype as is."""
+        return lax.bitcast_convert_type(x, jnp.int8) if x.dtype.itemsize == 1 else x
+
+    def scales(self, *held) -> list:
+        """The ``scale_dtype`` values of scales or zeros as the store holds them (:meth:`_held`)."""
+        return [float8_bits_to_float32(x, self.scale_dtype) if x.dtype == jnp.int8 else x for x in held]
 
     def _encode(self, k, v) -> dict:
         """The store leaves (by name) of R residual keys/values ``[..., R, H]``: codes, scales
@@ -193,12 +223,12 @@ class KiviStorage(Storage):
             out["k_float"] = as_container(k, FLOAT_DTYPES[self.modes[0]])
         else:
             qk = kivi.quantize_keys(k, bits=self.key_bits, group_size=self.group_size, **self._coding)
-            out.update(k_codes=qk.codes, k_scale=qk.scale, k_zero=qk.zero)
+            out.update(k_codes=qk.codes, k_scale=self._held(qk.scale), k_zero=self._held(qk.zero))
         if self.value_bits is None:
             out["v_float"] = as_container(v, FLOAT_DTYPES[self.modes[1]])
         else:
             qv = kivi.quantize_values(v, bits=self.value_bits, **self._coding)
-            out.update(v_codes=qv.codes, v_scale=qv.scale, v_zero=qv.zero)
+            out.update(v_codes=qv.codes, v_scale=self._held(qv.scale), v_zero=self._held(qv.zero))
         return out
 
     def flush_ring(self, cache, n):
@@ -260,7 +290,7 @@ class KiviStorage(Storage):
             k = self.read(tok(q.k_float)).astype(jnp.float32)
         else:
             k = kivi.dequantize_keys(
-                kivi.QuantizedKeys(tok(q.k_codes), grp(q.k_scale), grp(q.k_zero)),
+                kivi.QuantizedKeys(tok(q.k_codes), *self.scales(grp(q.k_scale), grp(q.k_zero))),
                 bits=self.key_bits,
                 group_size=g,
                 codebook=self.codebook,
@@ -270,7 +300,7 @@ class KiviStorage(Storage):
         else:
             per = lambda x: jnp.take_along_axis(x, slots[None, :, None, :], axis=3)  # noqa: E731
             v = kivi.dequantize_values(
-                kivi.QuantizedValues(tok(q.v_codes), per(q.v_scale), per(q.v_zero)),
+                kivi.QuantizedValues(tok(q.v_codes), *self.scales(per(q.v_scale), per(q.v_zero))),
                 bits=self.value_bits,
                 codebook=self.codebook,
             )
@@ -289,7 +319,7 @@ class KiviStorage(Storage):
             k = [self.read(store.k_float).astype(dtype)]
         else:
             k = kivi.dequantize_keys(
-                kivi.QuantizedKeys(codes=store.k_codes, scale=store.k_scale, zero=store.k_zero),
+                kivi.QuantizedKeys(store.k_codes, *self.scales(store.k_scale, store.k_zero)),
                 bits=self.key_bits,
                 group_size=self.group_size,
                 dtype=dtype,
@@ -300,7 +330,7 @@ class KiviStorage(Storage):
             v = [self.read(store.v_float)]
         else:
             v = kivi.dequantize_values(
-                kivi.QuantizedValues(codes=store.v_codes, scale=store.v_scale, zero=store.v_zero),
+                kivi.QuantizedValues(store.v_codes, *self.scales(store.v_scale, store.v_zero)),
                 bits=self.value_bits,
                 dtype=dtype,
                 blocks=True,
