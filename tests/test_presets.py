@@ -5,9 +5,12 @@ stands for, and (slow) the 4- and 3-bit presets keep the golden Paris answer."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
+
+from paths import REPO
 
 import jaxkv
 from jaxkv import CacheSpec, JaxkvError, LlamaConfig
@@ -24,7 +27,7 @@ def test_the_presets_are_data_with_a_description():
     assert preset_names() == ["3bit", "4bit"]
     for name in preset_names():
         data = json.loads((PRESET_DIR / f"{name}.json").read_text())
-        assert set(data) == {"about", "storage"} and data["about"]
+        assert set(data) == {"about", "storage", "full_cache_sinks"} and data["about"]
         assert set(data["storage"]) <= set(STORAGE_FIELDS)
 
 
@@ -45,7 +48,9 @@ def test_each_preset_fits_its_budget_in_both_shapes_of_smollm2(name):
 
 def test_cache_preset_takes_a_shape_and_overrides():
     spec = jaxkv.cache_preset("4bit", max_len=512)
-    assert spec == CacheSpec(max_len=512, **preset_storage("4bit"))
+    assert spec == CacheSpec(max_len=512, sink=4, **preset_storage("4bit"))  # a full cache's sinks in full precision
+    assert jaxkv.cache_preset("4bit", max_len=512, sink=0).sink == 0
+    assert jaxkv.cache_preset("4bit", window=992).sink == 0  # StreamingLLM's sinks are the caller's
     assert jaxkv.cache_preset("4bit", max_len=512, residual=64).residual == 64
     with pytest.raises(JaxkvError, match=r"cache_preset\('4bit'\) needs the cache's shape: max_len=N .* window=W"):
         jaxkv.cache_preset("4bit")
@@ -68,6 +73,8 @@ def test_flag_builds_the_spec_of_the_storage_flags_it_stands_for(name):
     shape = ["--streaming-llm-sink", "4", "--streaming-llm-window", "512"]
     assert _flags(["--kv-preset", name, *shape])[1] == _flags([*words, *shape])[1]
     assert _flags(["--kv-preset", name, *shape])[1] == jaxkv.cache_preset(name, sink=4, window=512)
+    full = _flags(["--kv-preset", name, "--max-len", "256"])[1]
+    assert full == jaxkv.cache_preset(name, max_len=256) and full.sink == 4
 
 
 def test_flag_beside_storage_flags_is_refused_by_name():
@@ -89,3 +96,24 @@ def test_preset_keeps_the_golden_paris_answer(smollm2, golden, name):
         smollm2, g["prompt_token_ids"], cache=jaxkv.cache_preset(name, max_len=256, sink=4), max_new_tokens=12
     )
     assert out.text.startswith(g["expected_text_prefix"])
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("kv_presets_script", REPO / "scripts" / "kv_presets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_presets_doc_is_the_render_of_the_measured_results():
+    """docs/PRESETS.md is scripts/kv_presets.py's rendering of docs/results/kv_presets.json (no number
+    typed by hand), and its verdicts follow from those numbers: the budgets' bits hold in both shapes."""
+    script = _script()
+    res = json.loads((REPO / "docs" / "results" / "kv_presets.json").read_text())
+    assert (REPO / "docs" / "PRESETS.md").read_text() == script.document(res, "results/kv_presets.png")
+    assert set(res["presets"]) == set(preset_names())
+    for line in script.verdicts(res):
+        assert line.endswith(("**met**", "**missed**", "**kept**", "**lost**"))
+    for name, (bits, _) in script.GOALS.items():
+        for shape in ("full", "window"):
+            assert res["presets"][name][shape]["python-docs"]["bits"] <= bits

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import sys
 
-from jaxkv.cache.preset import STORAGE_FIELDS, preset_names, preset_storage
+from jaxkv.cache.preset import STORAGE_FIELDS, preset_full_cache_sinks, preset_names, preset_storage
 from jaxkv.cache.spec import QUANT_MODES, CacheSpec, LayerSpecs
 from jaxkv.decode import Sampler, full_cache_len
 from jaxkv.decode.chat import default_cache_spec
@@ -127,7 +127,7 @@ def add_cache_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, str]
         "--kv-preset",
         default=None,
         metavar="NAME",
-        help=f"a named low-bit storage, {'|'.join(preset_names())} (configs/kv-presets; docs/QUANTIZATION.md): "
+        help=f"a named low-bit storage, {'|'.join(preset_names())} (configs/kv-presets; docs/PRESETS.md): "
         "the storage flags below in one word, for any cache shape; prints its effective bits (default: none)",
     )
     g.add_argument(
@@ -345,7 +345,8 @@ def error_text(error: JaxkvError, args) -> str:
 
 
 def apply_preset(args) -> None:
-    """Set the storage flags of ``--kv-preset`` in ``args`` (once; nothing without the flag).
+    """Set the storage flags of ``--kv-preset`` in ``args`` (once; nothing without the flag), and
+    ``--streaming-llm-sink`` to the preset's full-cache sinks when neither it nor a window is given.
 
     Raises:
       JaxkvError: an unknown preset, or a storage flag given beside it (the preset is the storage).
@@ -363,6 +364,8 @@ def apply_preset(args) -> None:
         )
     for field, value in storage.items():
         setattr(args, _attr(field), value)
+    if args.streaming_llm_window is None and args.streaming_llm_sink is None:
+        args.streaming_llm_sink = preset_full_cache_sinks(name)
     args._preset_applied = True
 
 
@@ -452,9 +455,9 @@ def cache_spec_from_args(args, n_prompt_max: int | None = None, n_new: int = 0) 
         :class:`~jaxkv.errors.CacheSpecError`: a spec :class:`CacheSpec` refuses (shown with
         flag names by :func:`error_text`).
     """
+    quantized = any(m in QUANT_MODES for m in storage_modes(args))  # a --kv-preset applied first
     window = args.streaming_llm_window
     sink = args.streaming_llm_sink
-    quantized = any(m in QUANT_MODES for m in storage_modes(args))
     if sink is not None and window is None and not quantized:
         raise JaxkvError(
             f"--streaming-llm-sink {sink} needs --streaming-llm-window M (a full cache keeps sinks apart only "

@@ -96,6 +96,10 @@ def run(args) -> None:
             args.kv_residual_dtype,
             args.kv_pre_rope,
             args.kv_hadamard,
+            args.kv_codebook,
+            args.kv_clip,
+            args.kv_scale_dtype,
+            args.kv_preset,
             args.kv_boost_layers,
             args.kv_boost_quantize,
         )

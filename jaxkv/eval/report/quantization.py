@@ -47,6 +47,14 @@ from jaxkv.eval.report.measure import Timer, log, machine
 from jaxkv.eval.report.render import machine_text
 from jaxkv.io import LoadedModel
 
+PRESETS_NOTE = (
+    "**Presets** (issue 35): `--kv-preset 4bit|3bit` (`jaxkv.cache_preset`) carry the best storage measured "
+    "since, with levers this table predates (full-precision sinks in a full cache, a clipping search, 8-bit "
+    "scales, a normal codebook): `docs/PRESETS.md` has every lever alone and combined, bits against perplexity "
+    "on held-out prose, and the goals met or missed."
+)
+"""The pointer to docs/PRESETS.md (scripts/kv_presets.py) near the top of the document."""
+
 BUDGETS = ((5.0, 0.01), (4.0, 0.03), (3.0, 0.10))
 """The issue's goals: ``(bits per K/V element <=, ΔPPL <=)``."""
 
@@ -517,6 +525,8 @@ def render(res: dict, plot_name: str | None) -> str:
     )
     add("")
     add(machine_text(res["machine"], res["timings"].get("total", {})))
+    add("")
+    add(PRESETS_NOTE)
     add("")
     add("## Goals (issue 15) and what was measured")
     add("")
