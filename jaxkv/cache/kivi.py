@@ -393,7 +393,10 @@ def quantize_affine(
       axis: the reduction axis (static); negative values count from the end.
       group_size: elements per group along ``axis`` (static); ``None`` = the whole axis.
       scale_dtype: storage dtype of scale and zero: float16 (default, as KIVI),
-        bfloat16 or float32 (static).
+        bfloat16, float32, or 8-bit float8_e4m3fn / float8_e5m2 (static; half float16's
+        metadata bits, rounded by the same directed rule; their smallest normal, 2**-6 and
+        2**-14, is the smallest scale, so a group narrower than 2**-6 * levels loses resolution in
+        float8_e4m3fn).
       codebook: the code levels (static, :data:`CODEBOOKS`): ``uniform`` (KIVI, above) or
         ``normal``: ``zero`` = the group's mean, ``scale`` = its standard deviation, ``q`` = the
         nearest of the levels ``c`` of :func:`normal_codebook`, ``x' = scale * c[q] + zero``
