@@ -450,22 +450,8 @@ def quantize_affine(
         )
     lo = jnp.min(grouped, axis=ax + 1, keepdims=True)
     hi = jnp.max(grouped, axis=ax + 1, keepdims=True)
-
-    finfo = jnp.finfo(sdt)
-    smax, eps = np.float32(finfo.max), np.float32(max(float(finfo.tiny), _EPS_FLOOR))
-    zero_s = _round_directed(jnp.clip(lo, -smax, smax), sdt, up=False)
-    zero = zero_s.astype(jnp.float32)  # <= lo unless lo < -smax (saturated)
-    half_range = hi * 0.5 - zero * 0.5  # (hi - zero) / 2, never overflows
-    scale = jnp.clip(half_range * np.float32(2.0 / levels), eps, smax)
-    scale_s = _round_directed(scale, sdt, up=True)
-    scale = scale_s.astype(jnp.float32)
-
-    # (x - zero) * (1 / scale) as (x/4 - zero/4) * (4 / scale): the same float32 numbers
-    # (powers of two), but neither the difference overflows nor 4/scale leaves the
-    # normal range (scale in [2**-100, 2**128)).
-    recip4 = np.float32(4.0) / scale
-    t = (grouped * 0.25 - zero * 0.25) * recip4
-    q = jnp.clip(jnp.round(t), 0, levels).astype(jnp.uint8).reshape(x.shape)
+    zero_s, scale_s, q = _affine(grouped, lo, hi, levels, sdt)
+    q = q.astype(jnp.uint8).reshape(x.shape)
     codes = _pack(q, bits)
 
     chex.assert_type(codes, jnp.uint8)
@@ -474,6 +460,24 @@ def quantize_affine(
         scale=jnp.squeeze(scale_s, axis=ax + 1),
         zero=jnp.squeeze(zero_s, axis=ax + 1),
     )
+
+
+def _affine(x: jax.Array, lo: jax.Array, hi: jax.Array, levels: int, sdt) -> tuple:
+    """``(zero, scale, codes)`` of float32 groups ``x`` over the range ``[lo, hi]`` (size-1 dims along
+    the groups' axis): zero rounded down and scale rounded up into ``sdt`` (numerical decisions 1-4),
+    float32 codes in ``[0, levels]`` from the stored values."""
+    finfo = jnp.finfo(sdt)
+    smax, eps = np.float32(finfo.max), np.float32(max(float(finfo.tiny), _EPS_FLOOR))
+    zero_s = _round_directed(jnp.clip(lo, -smax, smax), sdt, up=False)
+    zero = zero_s.astype(jnp.float32)  # <= lo unless lo < -smax (saturated)
+    half_range = hi * 0.5 - zero * 0.5  # (hi - zero) / 2, never overflows
+    scale_s = _round_directed(jnp.clip(half_range * np.float32(2.0 / levels), eps, smax), sdt, up=True)
+    scale = scale_s.astype(jnp.float32)
+    # (x - zero) * (1 / scale) as (x/4 - zero/4) * (4 / scale): the same float32 numbers
+    # (powers of two), but neither the difference overflows nor 4/scale leaves the
+    # normal range (scale in [2**-100, 2**128)).
+    t = (x * 0.25 - zero * 0.25) * (np.float32(4.0) / scale)
+    return zero_s, scale_s, jnp.clip(jnp.round(t), 0, levels)
 
 
 def _check_codebook(codebook: Any, bits: int) -> None:
@@ -509,14 +513,8 @@ def _search(x: jax.Array, axis: int, bits: int, sdt, codebook: str, ranges: tupl
         else:
             lo_c = lo if c == 1.0 else mean + np.float32(c) * (lo - mean)
             hi_c = hi if c == 1.0 else mean + np.float32(c) * (hi - mean)
-            zero_s = _round_directed(jnp.clip(lo_c, -smax, smax), sdt, up=False)
-            zero = zero_s.astype(jnp.float32)
-            scale_s = _round_directed(
-                jnp.clip((hi_c * 0.5 - zero * 0.5) * np.float32(2.0 / (2**bits - 1)), eps, smax), sdt, up=True
-            )
-            scale = scale_s.astype(jnp.float32)
-            q = jnp.clip(jnp.round((x * 0.25 - zero * 0.25) * (np.float32(4.0) / scale)), 0, 2**bits - 1)
-            rec = q * scale + zero
+            zero_s, scale_s, q = _affine(x, lo_c, hi_c, 2**bits - 1, sdt)
+            rec = q * scale_s.astype(jnp.float32) + zero_s.astype(jnp.float32)
         err = jnp.sum(jnp.square(rec - x), axis=axis, keepdims=True)
         if best is None:
             best = (err, zero_s, scale_s, q)
